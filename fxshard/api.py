@@ -1,0 +1,163 @@
+"""``fxshard.compile``: validate the user's input, shard, and compile.
+
+Every check on user input lives here and raises before anything is sharded or
+any collective runs. Below this module nothing sees an option name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
+from fxshard.policy import MixedPrecision
+from fxshard.sharding import FXShardModule, ParamShard, shard_parameters
+
+log = logging.getLogger("fxshard")
+
+BACKENDS = (*COMPILERS, "eager")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What ``fxshard.compile`` decided for one model: ``model.fxshard_plan``.
+
+    ``graphs`` grows as torch compiles graphs: one record per captured graph,
+    with the rewritten forward and backward graphs and their collective reports.
+    """
+
+    mesh: DeviceMesh
+    params: tuple[ParamShard, ...]
+    reshard_after_forward: bool
+    mp_policy: MixedPrecision
+    backend: str
+    debug_dir: str | None
+    graphs: list[GraphRecord]
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"fxshard.compile takes an nn.Module, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if isinstance(module, FXShardModule):
+            where = f"submodule {name!r}" if name else "this module"
+            raise ValueError(
+                f"fxshard.compile was already called on {where}; call it once, on the root module, "
+                "and use the module it returned"
+            )
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is already a DTensor ({param.placements}); fxshard shards plain "
+                "parameters. Pass the model before fully_shard, distribute_tensor or another sharding"
+            )
+        if param.dim() == 0:
+            raise NotImplementedError(
+                f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. "
+                "Store it with shape (1,) instead"
+            )
+        if param.device.type == "meta":
+            raise NotImplementedError(
+                f"parameter {name!r} is on the meta device; meta-device init is not supported yet. "
+                "Materialize the model first (model.to_empty(device=...) and initialize it)"
+            )
+
+
+def _default_mesh(device_type: str) -> DeviceMesh:
+    if not dist.is_initialized():
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:
+            raise ValueError(
+                f"WORLD_SIZE is {world_size} but no process group is initialized; call "
+                "torch.distributed.init_process_group() before fxshard.compile, or pass mesh="
+            )
+        log.info("fxshard: no process group; starting a single-rank one")
+        backend = "gloo" if device_type == "cpu" else dist.Backend.default_device_backend_map.get(device_type, "gloo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
+    expected = torch.device(mesh.device_type)
+    if mesh.device_type != "cpu":
+        expected = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    for name, param in model.named_parameters():
+        device = param.device
+        if device.type != expected.type or (expected.index is not None and device.index != expected.index):
+            raise ValueError(
+                f"parameter {name!r} is on {device} but this rank's mesh device is {expected}; "
+                f"move the model first: model.to({str(expected)!r})"
+            )
+
+
+def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        first = next(model.parameters(), None)
+        mesh = _default_mesh(first.device.type if first is not None else "cpu")
+    elif not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"mesh must be 1-D (the data-parallel dimension), got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; "
+            "pass the data-parallel submesh, e.g. mesh['dp']"
+        )
+    _check_devices(model, mesh)
+    return mesh
+
+
+def compile(  # noqa: A001 - the public name, as in torch.compile
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecision | None = None,
+    backend: str = "inductor",
+    debug_dir: str | os.PathLike | None = None,
+) -> nn.Module:
+    """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
+
+    Every parameter becomes a ``Shard(0)`` DTensor. Calling the module runs
+    the captured graphs, rewritten to all-gather each parameter before its
+    first use and reduce-scatter its gradient (averaged over the mesh) into
+    the shard's ``.grad``.
+
+    - ``mesh``: a 1-D DeviceMesh; None uses all ranks of the default group
+      (and starts a one-rank group if none exists and WORLD_SIZE is 1).
+    - ``reshard_after_forward``: True (ZeRO-3) frees gathered parameters after
+      forward and gathers them again in backward; False keeps them.
+    - ``mp_policy``: ``fxshard.MixedPrecision``.
+    - ``backend``: "inductor" or "aot_eager", the compiler run after fxshard's
+      passes; "eager" compiles nothing and gathers on every access (debugging).
+    - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
+    """
+    _check_model(model)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if mp_policy is None:
+        mp_policy = MixedPrecision()
+    elif not isinstance(mp_policy, MixedPrecision):
+        raise ValueError(f"mp_policy must be fxshard.MixedPrecision or None, got {type(mp_policy).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    mesh = _resolve_mesh(model, mesh)
+    debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
+
+    params = shard_parameters(model, mesh, mp_policy)
+    graphs: list[GraphRecord] = []
+    if backend != "eager":
+        spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
+                           mesh.get_group().group_name, debug_dir)  # fmt: skip
+        compiled = FXShardBackend(spec)
+        graphs = compiled.graphs
+        model.compile(backend=compiled)
+    plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs)
+    type(model).fxshard_plan = property(lambda self: plan, doc="The ShardPlan fxshard.compile made.")
+    log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
+    return model

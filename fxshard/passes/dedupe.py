@@ -1,0 +1,46 @@
+"""Merge repeated reads of one parameter in a captured graph."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.fx as fx
+
+from fxshard.passes.markers import is_unshard
+
+
+def _source(node: Any) -> Any:
+    # Each read of a DTensor parameter calls ``.to_local()`` anew; look through it.
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to_local":
+        node = node.args[0]
+    return node
+
+
+def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Give each parameter one unshard per captured graph.
+
+    Matches: ``fxshard::unshard`` nodes on the same shard with the same
+    arguments, as produced by tied weights (an embedding reused as the output
+    projection) or by reading one parameter twice (a parent reading a child's
+    weight directly). Rewrites every later read to use the first; autograd then
+    sums the gradients of all uses before a single reduce. Does nothing when
+    each parameter is read once.
+    """
+    first: dict[tuple, fx.Node] = {}
+    duplicates: list[tuple[fx.Node, fx.Node]] = []
+    for node in gm.graph.nodes:
+        if is_unshard(node):
+            key = (_source(node.args[0]), *node.args[1:])
+            if key in first:
+                duplicates.append((node, first[key]))
+            else:
+                first[key] = node
+    if not duplicates:
+        return gm
+    for node, keep in duplicates:
+        node.replace_all_uses_with(keep)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,102 @@
+"""Lower fxshard's marker ops to ``_c10d_functional`` collectives."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxshard.passes.markers import is_reduce, is_unshard
+from fxshard.runtime import compat
+from fxshard.runtime.collectives import gather_full, reduce_to_shard
+
+_COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
+
+
+def op_arguments(node: fx.Node) -> dict[str, Any]:
+    """A marker node's arguments by schema name, positional or keyword."""
+    schema = node.target._schema
+    values = dict(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    return values
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """Replace ``node`` by the graph of ``fn`` applied to its first argument."""
+
+    node: fx.Node
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
+    plan = []
+    for node in gm.graph.nodes:
+        if is_unshard(node):
+            a = op_arguments(node)
+            fn = functools.partial(
+                gather_full, dim0=a["dim0"], world_size=a["world_size"], group_name=a["group_name"], dtype=a["dtype"]
+            )
+            plan.append(Lowering(node, fn))
+        elif is_reduce(node):
+            a = op_arguments(node)
+            fn = functools.partial(
+                reduce_to_shard, local_rows=a["local_rows"], world_size=a["world_size"],
+                group_name=a["group_name"], reduce_dtype=a["reduce_dtype"], out_dtype=a["out_dtype"],
+            )  # fmt: skip
+            plan.append(Lowering(node, fn))
+    return tuple(plan)
+
+
+def _fake_value(target: Any, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
+    if fake_mode is None:
+        return None
+    unwrap = lambda n: n.meta.get("val") if isinstance(n, fx.Node) else n  # noqa: E731
+    with fake_mode:
+        return target(*fx.node.map_aggregate(args, unwrap), **fx.node.map_aggregate(kwargs, unwrap))
+
+
+def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any) -> None:
+    node = lowering.node
+    source = node.args[0]
+    val = source.meta["val"]
+    traced = compat.make_fx(lowering.fn)(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta"))
+    env: dict[fx.Node, fx.Node] = {}
+    result = source
+    with graph.inserting_before(node):
+        for sub in traced.graph.nodes:
+            if sub.op == "placeholder":
+                env[sub] = source
+            elif sub.op == "output":
+                result = env[sub.args[0]]
+            else:
+                new = graph.node_copy(sub, lambda n: env[n])
+                new.meta = {k: node.meta[k] for k in _COPIED_META if k in node.meta}
+                new.meta["val"] = _fake_value(new.target, new.args, new.kwargs, fake_mode)
+                env[sub] = new
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+
+
+def lower_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Replace each ``fxshard::unshard`` with its all-gather and each
+    ``fxshard::reduce_grad`` with its reduce-scatter, in place.
+
+    The replacement is ``gather_full`` / ``reduce_to_shard`` traced to ATen
+    and ``_c10d_functional`` ops (see [Note: one definition of gather and
+    reduce]): cast, pad, collective, ``wait_tensor``, slice. Each collective's
+    wait sits right before the collective's first use; scheduling them earlier
+    or later is a later pass's job. Does nothing on a graph without markers.
+    """
+    plan = plan_lowering(gm)
+    if not plan:
+        return gm
+    fake_mode = compat.detect_fake_mode(example_inputs)
+    for lowering in plan:
+        _inline(gm.graph, lowering, fake_mode)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,38 @@
+"""Finding fxshard's marker ops and the tensors derived from them in a graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
+
+# Dtype casts count as views here: they only change how the full weight is read.
+_CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
+
+
+def is_unshard(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (UNSHARD, torch.ops.fxshard.unshard)
+
+
+def is_reduce(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (REDUCE_GRAD, torch.ops.fxshard.reduce_grad)
+
+
+def is_view_like(node: fx.Node) -> bool:
+    """An op whose output is a view or a cast of its first argument alone."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target in _CASTS:
+        return True
+    return node.target.is_view and sum(isinstance(a, fx.Node) for a in node.args) == 1
+
+
+def full_weight_views(unshard_node: fx.Node, exclude: set[fx.Node]) -> list[fx.Node]:
+    """The unshard output and every view or cast of it, outside ``exclude``."""
+    found, frontier = [], [unshard_node]
+    while frontier:
+        node = frontier.pop()
+        found.append(node)
+        frontier.extend(u for u in node.users if is_view_like(u) and u not in exclude and u not in found)
+    return found

@@ -1,0 +1,171 @@
+"""The dynamo backend that runs fxshard's passes, then the chosen compiler.
+
+One captured graph goes through three stages (see passes/README.md):
+1. captured graph: ``dedupe_unshard``;
+2. joint graph (inside AOTAutograd): ``tag_unshard``, then torch's min-cut
+   partitioner splits it into forward and backward;
+3. forward, backward and inference graphs: ``lower_collectives``; then
+   Inductor (``compile_fx_inner``) or nothing (``aot_eager``).
+
+Inductor keeps its own AOTAutograd setup, joint passes and partitioner: fxshard
+plugs in through ``compile_fx``'s ``inner_compile`` hook and a scoped
+``joint_custom_pre_pass``, never by patching torch globally.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxshard.passes.dedupe import dedupe_unshard_pass
+from fxshard.passes.dump import Dumper
+from fxshard.passes.lower import lower_collectives_pass
+from fxshard.passes.markers import full_weight_views, is_unshard
+from fxshard.passes.report import GraphReport, graph_report
+from fxshard.passes.runner import GraphPass, run_passes
+from fxshard.passes.tagging import tag_unshard_pass
+from fxshard.runtime import compat
+
+log = logging.getLogger("fxshard")
+
+COMPILERS = ("inductor", "aot_eager")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Everything the passes need to know, decided by ``fxshard.compile``."""
+
+    compiler: str  # one of COMPILERS
+    reshard_after_forward: bool
+    rank: int
+    world_size: int
+    group_name: str
+    debug_dir: str | None
+
+
+@dataclass
+class GraphRecord:
+    """What fxshard did to one captured graph; filled in as torch compiles it.
+
+    The forward, backward and inference graphs are the rewritten ones, as
+    handed to the compiler. They stay None for a graph that torch loaded from
+    its compile cache (the passes did not run in this process) or, for the
+    backward, until the first backward call compiles it.
+    """
+
+    index: int
+    captured: fx.GraphModule | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    inference: fx.GraphModule | None = None
+    reports: dict[str, GraphReport] = field(default_factory=dict)
+    full_weights_in_forward: frozenset[str] = frozenset()
+    saved_full_weights: tuple[str, ...] | None = None  # known once the backward is compiled
+
+    def summary(self) -> str:
+        parts = [f"graph {self.index}"]
+        parts += [report.format() for report in self.reports.values()]
+        if self.saved_full_weights is not None:
+            saved = ", ".join(self.saved_full_weights) or "none"
+            parts.append(f"full weights saved from forward for backward: {saved}\n")
+        return "\n".join(parts)
+
+
+@functools.cache
+def _source_digest() -> str:
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class _JointTagPass(compat.CustomGraphPass):
+    """Inductor's hook for ``tag_unshard_pass``; its uuid keys torch's caches."""
+
+    def __init__(self, backend: "FXShardBackend", record: GraphRecord, dumper: Dumper | None) -> None:
+        self.backend, self.record, self.dumper = backend, record, dumper
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.backend.tag_joint(graph.owning_module, (), self.dumper)
+
+    def uuid(self) -> str:
+        spec = self.backend.spec
+        # A debug run must run the passes to dump them: make it miss the cache.
+        nonce = uuid.uuid4().hex if spec.debug_dir else ""
+        return hashlib.sha256(f"{_source_digest()}|{spec}|{nonce}".encode()).hexdigest()
+
+
+class FXShardBackend:
+    """A dynamo backend: ``backend(gm, example_inputs) -> callable``."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self.graphs: list[GraphRecord] = []
+        self._policy = CheckpointPolicy.MUST_RECOMPUTE if spec.reshard_after_forward else CheckpointPolicy.MUST_SAVE
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        record = GraphRecord(index=len(self.graphs))
+        self.graphs.append(record)
+        dumper = None
+        if self.spec.debug_dir:
+            dumper = Dumper(Path(self.spec.debug_dir) / f"rank{self.spec.rank}" / f"graph{record.index}")
+        record.captured = run_passes(
+            gm, example_inputs, [GraphPass("dedupe_unshard", dedupe_unshard_pass)], phase="captured", dumper=dumper
+        )
+        compile_graph = functools.partial(self._compile_graph, record, dumper)
+        if self.spec.compiler == "inductor":
+            patches = compat.inductor_config_patches(_JointTagPass(self, record, dumper))
+            return compat.compile_fx(record.captured, example_inputs, inner_compile=compile_graph, config_patches=patches)
+
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+            joint = self.tag_joint(joint, joint_inputs, dumper)
+            return compat.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        return compat.aot_autograd(
+            fw_compiler=functools.partial(compile_graph, is_backward=False, is_inference=False),
+            bw_compiler=functools.partial(compile_graph, is_backward=True),
+            inference_compiler=functools.partial(compile_graph, is_inference=True),
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )(record.captured, example_inputs)
+
+    def tag_joint(self, joint: fx.GraphModule, joint_inputs: Any, dumper: Dumper | None) -> fx.GraphModule:
+        tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy))
+        return run_passes(joint, joint_inputs, [tag], phase="joint", dumper=dumper)
+
+    def _compile_graph(
+        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+    ) -> Any:
+        phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        record.reports[phase] = graph_report(gm, phase)
+        self._note_saved_full_weights(record, phase, gm)
+        gm = run_passes(
+            gm, example_inputs, [GraphPass("lower_collectives", lower_collectives_pass)], phase=phase, dumper=dumper
+        )
+        setattr(record, phase, gm)
+        if dumper:
+            dumper.text("summary.txt", record.summary())
+        log.info("fxshard rank %d %s", self.spec.rank, record.reports[phase].format().splitlines()[0])
+        if self.spec.compiler == "aot_eager":
+            return compat.make_boxed_func(gm)
+        return compat.compile_fx_inner(gm, example_inputs, **kwargs)
+
+    @staticmethod
+    def _note_saved_full_weights(record: GraphRecord, phase: str, gm: fx.GraphModule) -> None:
+        # The partitioner names the backward's saved inputs after the forward
+        # nodes that produced them, so names tell what the forward saved.
+        if phase == "forward":
+            names = {v.name for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())}
+            record.full_weights_in_forward = frozenset(names)
+        elif phase == "backward":
+            inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            record.saved_full_weights = tuple(n for n in inputs if n in record.full_weights_in_forward)

@@ -1,0 +1,83 @@
+"""What a graph gathers and reduces, where, and at what cost: the summary
+written to ``summary.txt`` in the debug dumps and kept on ``model.fxshard_plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard.passes.lower import op_arguments
+from fxshard.passes.markers import is_reduce, is_unshard
+
+
+@dataclass(frozen=True)
+class CollectiveSite:
+    """One unshard or reduce of one parameter in one graph.
+
+    ``position`` is the marker's index among the graph's compute nodes. For an
+    unshard, ``first_use``/``last_use`` are the first and last nodes reading the
+    full parameter: after ``last_use`` it is released. For a reduce,
+    ``ready_after`` is the node that completes the gradient.
+    """
+
+    kind: str  # "unshard" or "reduce"
+    param: str
+    node: str
+    position: int
+    ready_after: str
+    first_use: str
+    last_use: str
+    nbytes: int  # bytes of the full tensor that the collective assembles or reduces
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    phase: str  # "forward", "backward" or "inference"
+    num_nodes: int
+    sites: tuple[CollectiveSite, ...]
+
+    def count(self, kind: str) -> int:
+        return sum(s.kind == kind for s in self.sites)
+
+    def nbytes(self, kind: str) -> int:
+        return sum(s.nbytes for s in self.sites if s.kind == kind)
+
+    def format(self) -> str:
+        head = (
+            f"[{self.phase}] {self.num_nodes} compute nodes; "
+            f"{self.count('unshard')} all-gathers ({self.nbytes('unshard') / 2**20:.2f} MiB), "
+            f"{self.count('reduce')} reduce-scatters ({self.nbytes('reduce') / 2**20:.2f} MiB)"
+        )
+        rows = [f"  {'kind':8} {'param':40} {'at':>5} {'MiB':>8}  placement"]
+        for s in self.sites:
+            if s.kind == "unshard":
+                where = f"gather {s.node}; first use {s.first_use}; released after {s.last_use}"
+            else:
+                where = f"reduce {s.node}; after gradient {s.ready_after} is complete"
+            rows.append(f"  {s.kind:8} {s.param:40} {s.position:>5} {s.nbytes / 2**20:>8.3f}  {where}")
+        return "\n".join([head, *rows]) + "\n"
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def graph_report(gm: fx.GraphModule, phase: str) -> GraphReport:
+    """Analyse a graph that still has its marker ops (before lowering)."""
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    index = {n: i for i, n in enumerate(order)}
+    sites = []
+    for node in order:
+        if is_unshard(node):
+            users = sorted(node.users, key=lambda u: index.get(u, len(order)))
+            first, last = (users[0].name, users[-1].name) if users else ("-", "-")
+            sites.append(CollectiveSite("unshard", op_arguments(node)["param"], node.name, index[node],
+                                        node.args[0].name, first, last, _nbytes(node)))  # fmt: skip
+        elif is_reduce(node):
+            grad = node.args[0]
+            sites.append(CollectiveSite("reduce", op_arguments(node)["param"], node.name, index[node],
+                                        grad.name, "-", "-", _nbytes(grad)))  # fmt: skip
+    return GraphReport(phase, len(order), tuple(sites))

@@ -1,0 +1,69 @@
+"""One runner for every pass list: logs, times, dumps and can disable passes.
+
+A pass is ``fn(gm, example_inputs) -> gm`` with its options bound when the
+list is built (``functools.partial``). The runner knows nothing about any one
+pass. ``FXSHARD_DISABLE_PASSES=name,name`` skips passes by name, for bisecting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from fxshard.passes.dump import Dumper
+
+log = logging.getLogger("fxshard")
+
+PassFn = Callable[[fx.GraphModule, Sequence[Any]], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    fn: PassFn
+
+
+def op_counts(gm: fx.GraphModule) -> Counter[str]:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _diff(before: Counter[str], after: Counter[str]) -> str:
+    keys = sorted(set(before) | set(after))
+    parts = [f"{k.split('.')[-2] if k.count('.') > 1 else k} {after[k] - before[k]:+d}" for k in keys if after[k] != before[k]]
+    return ", ".join(parts) or "no op-count change"
+
+
+def disabled_passes() -> frozenset[str]:
+    return frozenset(p.strip() for p in os.environ.get("FXSHARD_DISABLE_PASSES", "").split(",") if p.strip())
+
+
+def run_passes(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    passes: Sequence[GraphPass],
+    *,
+    phase: str,
+    dumper: Dumper | None,
+) -> fx.GraphModule:
+    """Apply ``passes`` in order to the ``phase`` graph (forward, backward...)."""
+    skip = disabled_passes()
+    for index, graph_pass in enumerate(passes):
+        if graph_pass.name in skip:
+            log.warning("fxshard: pass %s disabled by FXSHARD_DISABLE_PASSES", graph_pass.name)
+            continue
+        if dumper:
+            dumper.graph(f"{phase}/{index:02d}_{graph_pass.name}.before", gm)
+        counts = op_counts(gm)
+        start = time.perf_counter()
+        gm = graph_pass.fn(gm, example_inputs)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        log.info("fxshard %s: %s took %.1f ms (%s)", phase, graph_pass.name, elapsed_ms, _diff(counts, op_counts(gm)))
+        if dumper:
+            dumper.graph(f"{phase}/{index:02d}_{graph_pass.name}.after", gm)
+    return gm

@@ -1,0 +1,85 @@
+"""The two collectives of sharded training, written once as plain torch ops.
+
+[Note: one definition of gather and reduce]
+``gather_full`` and ``reduce_to_shard`` are the only definition of what an
+unshard and a reduce compute. The eager implementations of the ``fxshard::``
+ops call them, and the lowering pass traces them (``make_fx``) and inlines the
+result into compiled graphs, so eager and compiled runs cannot drift apart.
+
+Sharding layout (the DTensor ``Shard(0)`` layout): with ``chunk =
+ceil(dim0 / world_size)``, rank ``r`` holds rows ``[r*chunk, min((r+1)*chunk,
+dim0))``, possibly none. Every rank pads its rows to ``chunk`` so that the
+collectives move equal sizes; the padding is cut off after the collective.
+World size 1 runs the same function with the collective skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_funcol = torch.ops._c10d_functional
+
+
+def chunk_rows(dim0: int, world_size: int) -> int:
+    """Rows each rank holds before padding (the last ranks may hold fewer)."""
+    return -(-dim0 // world_size) if dim0 else 0
+
+
+def shard_range(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The ``[start, end)`` rows of ``rank``'s shard; empty when start == end."""
+    chunk = chunk_rows(dim0, world_size)
+    return min(rank * chunk, dim0), min((rank + 1) * chunk, dim0)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, rows - t.shape[0]])
+
+
+def gather_full(
+    shard: torch.Tensor,
+    dim0: int,
+    world_size: int,
+    group_name: str,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Unshard: all-gather every rank's rows into the full parameter.
+
+    The cast to ``dtype`` happens before the collective, so a bf16 compute
+    dtype moves half the bytes of an fp32 shard.
+    """
+    if dtype is not None and shard.dtype != dtype:
+        shard = shard.to(dtype)
+    if world_size == 1:
+        return shard
+    chunk = chunk_rows(dim0, world_size)
+    padded = _pad_rows(shard, chunk).contiguous()
+    full = _funcol.wait_tensor(_funcol.all_gather_into_tensor(padded, world_size, group_name))
+    return full if full.shape[0] == dim0 else full[:dim0]
+
+
+def reduce_to_shard(
+    grad: torch.Tensor,
+    local_rows: int,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reduce: reduce-scatter the full gradient and average it over the group.
+
+    The sum runs in ``reduce_dtype`` (the gradient's own dtype when None); the
+    result lands in ``out_dtype``, the shard's dtype.
+    """
+    if reduce_dtype is not None and grad.dtype != reduce_dtype:
+        grad = grad.to(reduce_dtype)
+    if world_size > 1:
+        chunk = chunk_rows(grad.shape[0], world_size)
+        padded = _pad_rows(grad, chunk * world_size).contiguous()
+        grad = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(padded, "sum", world_size, group_name))
+        grad = grad / world_size
+        if grad.shape[0] != local_rows:
+            grad = grad[:local_rows]
+    return grad.to(out_dtype) if grad.dtype != out_dtype else grad

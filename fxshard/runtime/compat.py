@@ -1,0 +1,54 @@
+"""Every private torch API fxshard touches, behind feature detection.
+
+fxshard supports torch >= 2.11. Nothing outside this module imports from a
+private torch namespace (``torch._*``); when an upstream name moves, this is
+the one file to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_VERSION < (2, 11):
+    raise ImportError(f"fxshard needs torch >= 2.11, found {torch.__version__}")
+
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
+from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
+from torch._guards import detect_fake_mode  # noqa: E402
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+try:  # torch >= 2.6 names the base class of cache-aware custom passes
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - older layouts
+    CustomGraphPass = object  # type: ignore[misc,assignment]
+
+if "inner_compile" not in inspect.signature(compile_fx).parameters:
+    raise ImportError("this torch's compile_fx has no inner_compile hook; fxshard needs torch >= 2.11")
+
+__all__ = [
+    "CustomGraphPass",
+    "aot_autograd",
+    "compile_fx",
+    "compile_fx_inner",
+    "detect_fake_mode",
+    "inductor_config_patches",
+    "make_boxed_func",
+    "make_fx",
+    "min_cut_rematerialization_partition",
+]
+
+
+def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) -> dict[str, Any]:
+    """Inductor config for one fxshard compile, applied by compile_fx around
+    that compile only (never set globally)."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "joint_custom_pre_pass"):
+        raise ImportError("this torch's inductor has no joint_custom_pre_pass hook")
+    return {"joint_custom_pre_pass": joint_pre_pass}

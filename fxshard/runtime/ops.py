@@ -1,0 +1,76 @@
+"""fxshard's custom ops: the markers that the graph passes find and lower.
+
+[Note: unshard markers]
+Reading a sharded parameter calls ``fxshard::unshard`` on the rank's local
+shard. The op is opaque to dynamo and AOTAutograd, so it survives capture as
+one node per read, carrying everything the passes need in its arguments: the
+full dim-0 size, the group, the parameter's name and the dtypes. Its autograd
+formula is ``fxshard::reduce_grad``, so the backward graph carries one reduce
+marker per gathered parameter. The lowering pass replaces both markers with
+``_c10d_functional`` collectives (see [Note: one definition of gather and
+reduce]); run eagerly, the markers run those same collectives directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxshard.runtime.collectives import gather_full, reduce_to_shard
+
+
+def _no_alias(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    # A custom op's output may not alias its input (world size 1 gathers nothing).
+    return out.clone() if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr() else out
+
+
+@torch.library.custom_op("fxshard::unshard", mutates_args=())
+def unshard(
+    shard: torch.Tensor,
+    dim0: int,
+    world_size: int,
+    group_name: str,
+    param: str,
+    dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """All-gather ``shard`` into the full parameter ``param`` (see the Note)."""
+    return _no_alias(gather_full(shard, dim0, world_size, group_name, dtype), shard)
+
+
+@unshard.register_fake
+def _unshard_fake(shard, dim0, world_size, group_name, param, dtype, reduce_dtype):
+    return shard.new_empty((dim0, *shard.shape[1:]), dtype=dtype or shard.dtype)
+
+
+@torch.library.custom_op("fxshard::reduce_grad", mutates_args=())
+def reduce_grad(
+    grad: torch.Tensor,
+    local_rows: int,
+    world_size: int,
+    group_name: str,
+    param: str,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reduce-scatter the full gradient of ``param`` to this rank's rows, averaged."""
+    return _no_alias(reduce_to_shard(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype), grad)
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(grad, local_rows, world_size, group_name, param, reduce_dtype, out_dtype):
+    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+def _unshard_setup(ctx, inputs, output):
+    shard, _, world_size, group_name, param, _, reduce_dtype = inputs
+    ctx.spec = (shard.shape[0], world_size, group_name, param, reduce_dtype, shard.dtype)
+
+
+def _unshard_backward(ctx, grad):
+    return (reduce_grad(grad.contiguous(), *ctx.spec), None, None, None, None, None, None)
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
+
+UNSHARD = torch.ops.fxshard.unshard.default
+REDUCE_GRAD = torch.ops.fxshard.reduce_grad.default
