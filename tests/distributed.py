@@ -1,0 +1,68 @@
+"""Run a function on N gloo ranks, one process each, with a hard timeout.
+
+A hang is a failure: every rank gets ``timeout`` seconds, then all are killed
+and the test fails, instead of wedging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException:
+        result = {"__error__": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on each rank; return the results.
+
+    ``fn`` must be importable (a module-level function). A rank that raises
+    returns ``{"__error__": traceback}``, reported by :func:`check_results`.
+    """
+    import torch
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
+            join=False, start_method="spawn",
+        )  # fmt: skip
+        try:
+            deadline_left = timeout
+            while not ctx.join(timeout=min(5.0, deadline_left)):
+                deadline_left -= 5.0
+                if deadline_left <= 0:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout} s (hang?)")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def check_results(results: list[Any]) -> None:
+    errors = [f"rank {r}:\n{res['__error__']}" for r, res in enumerate(results) if isinstance(res, dict) and "__error__" in res]
+    if errors:
+        raise AssertionError("\n".join(errors))

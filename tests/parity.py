@@ -1,0 +1,168 @@
+"""Sharded training against an unsharded reference, run inside each rank.
+
+Each rank trains the fxshard model on its own batch. The reference is the
+same model, unsharded, in the same process: it sees every rank's batch and
+averages their gradients, which is what data-parallel training must compute.
+Loss, every gradient and the parameters after each AdamW step must match.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxshard
+from tests import models
+
+ATOL, RTOL = 2e-5, 1e-4
+
+
+@dataclass(frozen=True)
+class Scenario:
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], Any]
+    loss: Callable[[Any, Any], torch.Tensor]
+    compile_kwargs: dict = field(default_factory=dict)
+    freeze: tuple[str, ...] = ()
+    forwards_per_step: int = 1  # >1: several forwards, one backward
+    atol: float = ATOL
+    rtol: float = RTOL
+
+
+def _tokens(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 37, (2, 9), generator=gen)
+
+
+def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=_lm_loss)
+MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
+SCENARIOS: dict[str, Scenario] = {
+    "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager")),
+    "llama_tied_keep_full": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False)),
+    "llama_tied_inductor": Scenario(**LLAMA, compile_kwargs=dict(backend="inductor")),
+    "llama_eager_accessors": Scenario(**LLAMA, compile_kwargs=dict(backend="eager")),
+    "mamba_direct_reads": Scenario(**MAMBA, compile_kwargs=dict(backend="aot_eager")),
+    "mamba_direct_reads_inductor": Scenario(**MAMBA, compile_kwargs=dict(backend="inductor")),
+    "uneven_and_empty": Scenario(
+        make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+    ),
+    "uneven_and_empty_keep_full": Scenario(
+        make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
+        compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False),
+    ),
+    "frozen": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), freeze=("embed.", "layers.0.attn.")),
+    "graph_breaks": Scenario(
+        make_model=models.GraphBreaks, make_batch=lambda g: torch.randn(4, 6, generator=g), loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+    ),
+    "two_forwards_one_backward": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), forwards_per_step=2),
+    "mixed_precision_bf16": Scenario(
+        **LLAMA, atol=3e-2, rtol=3e-2,
+        compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
+    ),
+}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, sc: Scenario) -> None:
+    torch.testing.assert_close(actual, expected, atol=sc.atol, rtol=sc.rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _step_loss(model: nn.Module, batches: list, sc: Scenario) -> torch.Tensor:
+    return sum(sc.loss(model(b), b) for b in batches)
+
+
+def _reference(sc: Scenario) -> nn.Module:
+    model = sc.make_model()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(sc.freeze))
+    if "mp_policy" in sc.compile_kwargs:  # compute where fxshard computes: bf16 weights
+        model = model.to(sc.compile_kwargs["mp_policy"].param_dtype)
+    return model
+
+
+def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) -> dict:
+    torch.manual_seed(0)
+    model = sc.make_model()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(sc.freeze))
+    torch.manual_seed(0)
+    ref = _reference(sc)
+    ref.load_state_dict({k: v.to(p.dtype) for (k, v), p in zip(model.state_dict().items(), ref.state_dict().values())})
+    master = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in ref.parameters()]
+    fxshard.compile(model, **sc.compile_kwargs)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in master if p.requires_grad], lr=1e-2)
+    for step in range(steps):
+        gens = [torch.Generator().manual_seed(1000 * step + 10 * r + i) for r in range(world_size)
+                for i in range(sc.forwards_per_step)]  # fmt: skip
+        batches = [sc.make_batch(g) for g in gens]
+        per_rank = [batches[r * sc.forwards_per_step:(r + 1) * sc.forwards_per_step] for r in range(world_size)]
+        loss = _step_loss(model, per_rank[rank], sc)
+        loss.backward()
+        ref_losses = [_step_loss(ref, b, sc) for b in per_rank]
+        (sum(ref_losses) / world_size).backward()
+        _close(loss.detach().float(), ref_losses[rank].detach().float(), f"step {step} loss", sc)
+        for (name, p), q, m in zip(model.named_parameters(), ref.parameters(), master):
+            if q.grad is None:
+                assert p.grad is None, f"{name}: frozen parameter got a gradient"
+                continue
+            assert p.grad.dtype == p.dtype, f"{name}: grad dtype {p.grad.dtype}, shard dtype {p.dtype}"
+            _close(p.grad.full_tensor(), q.grad.float(), f"step {step} grad of {name}", sc)
+            m.grad = q.grad.float()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        with torch.no_grad():
+            for q, m in zip(ref.parameters(), master):
+                q.copy_(m)
+    for (name, p), m in zip(model.named_parameters(), master):
+        _close(p.detach().full_tensor(), m.detach(), f"param {name} after {steps} steps", sc)
+    return {"graphs": len(getattr(model.fxshard_plan, "graphs", []))}
+
+
+def eval_no_grad_check(rank: int, world_size: int) -> dict:
+    """Forward under no_grad gathers, matches the reference, and reduces nothing."""
+    torch.manual_seed(0)
+    model = models.TinyLlama()
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend="aot_eager")
+    for length in (9, 5):
+        tokens = torch.randint(0, 37, (2, length), generator=torch.Generator().manual_seed(rank + length))
+        with torch.no_grad():
+            out = model(tokens)
+        torch.testing.assert_close(out, ref(tokens), atol=ATOL, rtol=RTOL)
+    reports = [g.reports["inference"] for g in model.fxshard_plan.graphs]
+    assert reports and all(r.count("reduce") == 0 and r.count("unshard") > 0 for r in reports), reports
+    assert all(p.grad is None for p in model.parameters())
+    return {}
+
+
+def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
+    """Run each named check; map its name to None (passed) or the failure."""
+    results: dict[str, str | None] = {}
+    for name in names:
+        try:
+            if name == "eval_no_grad":
+                eval_no_grad_check(rank, world_size)
+            else:
+                train_and_compare(rank, world_size, SCENARIOS[name])
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        torch._dynamo.reset()
+    return results
