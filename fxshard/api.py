@@ -86,7 +86,7 @@ def _default_mesh(device_type: str) -> DeviceMesh:
 
 def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
     expected = torch.device(mesh.device_type)
-    if mesh.device_type != "cpu":
+    if mesh.device_type != "cpu" and torch.accelerator.is_available():
         expected = torch.device(mesh.device_type, torch.accelerator.current_device_index())
     for name, param in model.named_parameters():
         device = param.device

@@ -52,3 +52,11 @@ def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) ->
     if not hasattr(inductor_config, "joint_custom_pre_pass"):
         raise ImportError("this torch's inductor has no joint_custom_pre_pass hook")
     return {"joint_custom_pre_pass": joint_pre_pass}
+
+
+def fake_store() -> Any:
+    """The store of torch's ``fake`` process group (importing it registers the
+    backend): tracing and tests at any world size without other processes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

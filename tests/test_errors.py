@@ -1,0 +1,91 @@
+"""Bad input: a clear error naming the fix, raised before anything is sharded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+
+import fxshard
+
+
+def test_world_size_above_one_without_process_group(no_dist, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="init_process_group"):
+        fxshard.compile(nn.Linear(4, 4))
+
+
+def test_single_rank_without_process_group_just_works(no_dist, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.weight.shape == (3, 4) and model._parameters["weight"].grad.shape == (3, 4)
+
+
+def test_mesh_must_be_one_dimensional(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2))
+    with pytest.raises(ValueError, match="1-D"):
+        fxshard.compile(nn.Linear(4, 4), mesh)
+
+
+def test_mesh_must_be_a_device_mesh(fake_pg):
+    with pytest.raises(ValueError, match="DeviceMesh"):
+        fxshard.compile(nn.Linear(4, 4), "cpu")
+
+
+def test_parameters_on_another_device(fake_pg):
+    mesh = init_device_mesh("cuda", (4,))  # the fake group builds it without a GPU
+    with pytest.raises(ValueError, match=r"model\.to\("):
+        fxshard.compile(nn.Linear(4, 4), mesh)
+
+
+def test_compile_twice(fake_pg):
+    model = fxshard.compile(nn.Sequential(nn.Linear(4, 4)), backend="aot_eager")
+    with pytest.raises(ValueError, match="already called"):
+        fxshard.compile(model)
+    with pytest.raises(ValueError, match="already called"):
+        fxshard.compile(nn.Sequential(model[0]))  # a compiled module inside a new root
+
+
+def test_parameters_already_dtensors(fake_pg):
+    model = nn.Linear(4, 4)
+    mesh = init_device_mesh("cpu", (4,))
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match="already a DTensor"):
+        fxshard.compile(model, mesh)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(backend="tvm"), "backend must be one of"),
+        (dict(mp_policy=torch.bfloat16), "mp_policy must be fxshard.MixedPrecision"),
+        (dict(reshard_after_forward="yes"), "reshard_after_forward must be True or False"),
+    ],
+)
+def test_bad_options(fake_pg, kwargs, match):
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=match):
+        fxshard.compile(model, **kwargs)
+    assert type(model.weight) is nn.Parameter, "a rejected call must leave the model untouched"
+
+
+def test_mixed_precision_rejects_non_float_dtypes():
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        fxshard.MixedPrecision(param_dtype=torch.int8)
+
+
+def test_zero_dim_parameter_is_a_known_gap(fake_pg):
+    model = nn.Linear(4, 4)
+    model.scale = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(NotImplementedError, match=r"shape \(1,\)"):
+        fxshard.compile(model)
+
+
+def test_meta_parameters_are_a_known_gap(fake_pg):
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(NotImplementedError, match="to_empty"):
+        fxshard.compile(model)

@@ -1,0 +1,119 @@
+"""The rewritten graphs: where collectives sit and what forward saves."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.testing import FileCheck
+
+import fxshard
+from tests import models
+
+AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target == target]
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def _train_once(model: nn.Module, **kwargs):
+    fxshard.compile(model, backend="aot_eager", **kwargs)
+    model(torch.randint(0, 37, (2, 9))).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    return record
+
+
+def test_reshard_after_forward_saves_no_full_weight(fake_pg):
+    model = models.TinyLlama()
+    record = _train_once(model)
+    n_params = len(model.fxshard_plan.params)
+    assert len(_nodes(record.forward, AG)) == n_params  # tied weight: one gather
+    assert record.saved_full_weights == ()
+    assert len(_nodes(record.backward, AG)) > 0  # gathered again instead
+    assert len(_nodes(record.backward, RS)) == n_params
+    for gather in _nodes(record.forward, AG):
+        (wait,) = gather.users
+        assert wait.target == WAIT
+
+
+def test_keep_full_weights_gathers_once(fake_pg):
+    record = _train_once(models.TinyLlama(), reshard_after_forward=False)
+    assert record.saved_full_weights, "reshard_after_forward=False must keep full weights"
+    assert _nodes(record.backward, AG) == []
+
+
+
+
+def test_collective_order_filecheck(fake_pg):
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    fxshard.compile(model, backend="aot_eager")
+    model(torch.randn(5, 8)).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    fw = record.forward.code
+    # Each weight and bias is gathered and waited on before the matmul reads it.
+    FileCheck().check_count("all_gather_into_tensor", 2).check("wait_tensor").check("addmm").check(
+        "all_gather_into_tensor"
+    ).check("wait_tensor").check("addmm").run(fw)
+    bw = record.backward.code
+    # The last layer's weight gradient (mm) is complete before its reduce-scatter,
+    # and the reduce is waited on before it is returned.
+    FileCheck().check("mm").check("reduce_scatter_tensor").check("wait_tensor").check("return").run(bw)
+
+
+def test_reduce_scatter_after_gradient_complete(fake_pg):
+    model = models.TinyLlama()
+    record = _train_once(model)
+    bw = record.backward
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    embed_bwd = [n for n in bw.graph.nodes if n.target == torch.ops.aten.embedding_dense_backward.default]
+    assert len(embed_bwd) == 1
+    # The tied weight has one reduce-scatter, fed by both of its uses' gradients.
+    tied = [rs for rs in _nodes(bw, RS) if embed_bwd[0] in _ancestors(rs)]
+    assert len(tied) == 1
+    mms = {n for n in _ancestors(tied[0]) if n.target == torch.ops.aten.mm.default}
+    assert mms, "the output projection's gradient must be summed in before the reduce"
+    for rs in _nodes(bw, RS):
+        grad_producers = [a for a in _ancestors(rs) if a.op == "call_function"]
+        assert all(order[a] < order[rs] for a in grad_producers)
+        (wait,) = rs.users
+        assert wait.target == WAIT
+
+
+def test_frozen_parameters_are_gathered_not_reduced(fake_pg):
+    model = models.TinyLlama(tie=False)
+    model.embed.weight.requires_grad_(False)
+    record = _train_once(model)
+    forward, backward = record.reports["forward"], record.reports["backward"]
+    assert "embed.weight" in {s.param for s in forward.sites if s.kind == "unshard"}
+    assert "embed.weight" not in {s.param for s in backward.sites if s.kind == "reduce"}
+    assert backward.count("reduce") == len(model.fxshard_plan.params) - 1
+
+
+def test_no_grad_forward_gathers_and_never_reduces(fake_pg):
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        model(torch.randint(0, 37, (2, 9)))
+    (record,) = model.fxshard_plan.graphs
+    assert _nodes(record.inference, AG) and not _nodes(record.inference, RS)
+    assert record.backward is None
+
+
+def test_buffers_stay_replicated(fake_pg):
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager")
+    assert type(model.rope_cos) is torch.Tensor and model.rope_cos.shape == (64, 6)
+    assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
