@@ -21,13 +21,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
     except BaseException:
@@ -36,8 +38,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on each rank; return the results.
+
+    ``backend="nccl"`` puts rank ``r`` on GPU ``r``.
 
     ``fn`` must be importable (a module-level function). A rank that raises
     returns ``{"__error__": traceback}``, reported by :func:`check_results`.
@@ -46,7 +50,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -
 
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
+            _entry, args=(world_size, _free_port(), out_dir, backend, fn, args), nprocs=world_size,
             join=False, start_method="spawn",
         )  # fmt: skip
         try:

@@ -9,15 +9,17 @@ Loss, every gradient and the parameters after each AdamW step must match.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxshard
+from examples.llama import lm_loss
 from tests import models
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -39,15 +41,11 @@ def _tokens(gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 37, (2, 9), generator=gen)
 
 
-def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
 def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=_lm_loss)
+LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=lm_loss)
 MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
 SCENARIOS: dict[str, Scenario] = {
     "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager")),
@@ -94,13 +92,18 @@ def _reference(sc: Scenario) -> nn.Module:
     return model
 
 
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) -> dict:
+    device = _device(rank)
     torch.manual_seed(0)
-    model = sc.make_model()
+    model = sc.make_model().to(device)
     for name, param in model.named_parameters():
         param.requires_grad_(not name.startswith(sc.freeze))
     torch.manual_seed(0)
-    ref = _reference(sc)
+    ref = _reference(sc).to(device)
     ref.load_state_dict({k: v.to(p.dtype) for (k, v), p in zip(model.state_dict().items(), ref.state_dict().values())})
     master = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in ref.parameters()]
     fxshard.compile(model, **sc.compile_kwargs)
@@ -109,7 +112,7 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
     for step in range(steps):
         gens = [torch.Generator().manual_seed(1000 * step + 10 * r + i) for r in range(world_size)
                 for i in range(sc.forwards_per_step)]  # fmt: skip
-        batches = [sc.make_batch(g) for g in gens]
+        batches = [sc.make_batch(g).to(device) for g in gens]
         per_rank = [batches[r * sc.forwards_per_step:(r + 1) * sc.forwards_per_step] for r in range(world_size)]
         loss = _step_loss(model, per_rank[rank], sc)
         loss.backward()
@@ -137,12 +140,13 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
 
 def eval_no_grad_check(rank: int, world_size: int) -> dict:
     """Forward under no_grad gathers, matches the reference, and reduces nothing."""
+    device = _device(rank)
     torch.manual_seed(0)
-    model = models.TinyLlama()
+    model = models.TinyLlama().to(device)
     ref = copy.deepcopy(model)
     fxshard.compile(model, backend="aot_eager")
     for length in (9, 5):
-        tokens = torch.randint(0, 37, (2, length), generator=torch.Generator().manual_seed(rank + length))
+        tokens = torch.randint(0, 37, (2, length), generator=torch.Generator().manual_seed(rank + length)).to(device)
         with torch.no_grad():
             out = model(tokens)
         torch.testing.assert_close(out, ref(tokens), atol=ATOL, rtol=RTOL)
@@ -154,13 +158,19 @@ def eval_no_grad_check(rank: int, world_size: int) -> dict:
 
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
     """Run each named check; map its name to None (passed) or the failure."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity: no TF32 on GPUs
+    torch.backends.cudnn.allow_tf32 = False
     results: dict[str, str | None] = {}
     for name in names:
         try:
-            if name == "eval_no_grad":
+            base, _, compiler = name.partition("@")  # "llama_tied@inductor": another compiler
+            if base == "eval_no_grad":
                 eval_no_grad_check(rank, world_size)
             else:
-                train_and_compare(rank, world_size, SCENARIOS[name])
+                sc = SCENARIOS[base]
+                if compiler:
+                    sc = dataclasses.replace(sc, compile_kwargs={**sc.compile_kwargs, "backend": compiler})
+                train_and_compare(rank, world_size, sc)
             results[name] = None
         except Exception:
             results[name] = traceback.format_exc()
