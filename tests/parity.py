@@ -35,6 +35,10 @@ class Scenario:
     forwards_per_step: int = 1  # >1: several forwards, one backward
     atol: float = ATOL
     rtol: float = RTOL
+    # bf16: Adam turns rounding noise on a near-zero gradient into a full
+    # +-lr step, so a few elements may differ; allow this fraction of them.
+    outlier_fraction: float = 0.0
+    clip_norm: float | None = None  # clip_grad_norm_ on the shards and on the reference
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -48,7 +52,7 @@ def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=lm_loss)
 MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
 SCENARIOS: dict[str, Scenario] = {
-    "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager")),
+    "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), clip_norm=0.5),
     "llama_tied_keep_full": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False)),
     "llama_tied_inductor": Scenario(**LLAMA, compile_kwargs=dict(backend="inductor")),
     "llama_eager_accessors": Scenario(**LLAMA, compile_kwargs=dict(backend="eager")),
@@ -69,13 +73,22 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "two_forwards_one_backward": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), forwards_per_step=2),
     "mixed_precision_bf16": Scenario(
-        **LLAMA, atol=3e-2, rtol=3e-2,
+        **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
         compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
+    ),
+    "mixed_precision_bf16_inductor": Scenario(
+        **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
+        compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
     ),
 }
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, sc: Scenario) -> None:
+    if sc.outlier_fraction:
+        off = ~torch.isclose(actual, expected, atol=sc.atol, rtol=sc.rtol)
+        assert off.float().mean() <= sc.outlier_fraction, f"{what}: {int(off.sum())}/{off.numel()} elements differ"
+        assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+        return
     torch.testing.assert_close(actual, expected, atol=sc.atol, rtol=sc.rtol, msg=lambda m: f"{what}: {m}")
 
 
@@ -107,8 +120,11 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
     ref.load_state_dict({k: v.to(p.dtype) for (k, v), p in zip(model.state_dict().items(), ref.state_dict().values())})
     master = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in ref.parameters()]
     fxshard.compile(model, **sc.compile_kwargs)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref_opt = torch.optim.AdamW([p for p in master if p.requires_grad], lr=1e-2)
+    # eps=1e-6, not 1e-8: Adam's g / (|g| + eps) would turn fp32 reduction-order
+    # noise on gradients near 1e-8 into update differences of ~1e-5 that grow
+    # step by step; with 1e-6 they stay ~1e-7 and the fp32 tolerance holds.
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    ref_opt = torch.optim.AdamW([p for p in master if p.requires_grad], lr=1e-2, eps=1e-6)
     for step in range(steps):
         gens = [torch.Generator().manual_seed(1000 * step + 10 * r + i) for r in range(world_size)
                 for i in range(sc.forwards_per_step)]  # fmt: skip
@@ -126,6 +142,12 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
             assert p.grad.dtype == p.dtype, f"{name}: grad dtype {p.grad.dtype}, shard dtype {p.dtype}"
             _close(p.grad.full_tensor(), q.grad.float(), f"step {step} grad of {name}", sc)
             m.grad = q.grad.float()
+        if sc.clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), sc.clip_norm)
+            ref_norm = torch.nn.utils.clip_grad_norm_([m for m in master if m.grad is not None], sc.clip_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            _close(norm, ref_norm, f"step {step} clip_grad_norm_", sc)
+            assert ref_norm > sc.clip_norm, "the test must actually clip"
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -135,6 +157,12 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
                 q.copy_(m)
     for (name, p), m in zip(model.named_parameters(), master):
         _close(p.detach().full_tensor(), m.detach(), f"param {name} after {steps} steps", sc)
+    state, ref_state = model.state_dict(), ref.state_dict()
+    assert list(state) == list(ref_state), "state_dict keys must keep their names"
+    named_master = dict(zip((n for n, _ in ref.named_parameters()), master))
+    for key, value in state.items():
+        if key in named_master:
+            _close(value.full_tensor(), named_master[key].detach(), f"state_dict[{key!r}]", sc)
     return {"graphs": len(getattr(model.fxshard_plan, "graphs", []))}
 
 

@@ -117,3 +117,20 @@ def test_buffers_stay_replicated(fake_pg):
     fxshard.compile(model, backend="aot_eager")
     assert type(model.rope_cos) is torch.Tensor and model.rope_cos.shape == (64, 6)
     assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
+
+
+def test_mixed_precision_casts_before_the_collectives(fake_pg):
+    model = models.TinyLlama()
+    mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    record = _train_once(model, mp_policy=mp)
+    gathered = {n.args[0].meta["val"].dtype for n in _nodes(record.forward, AG)}
+    reduced = {n.args[0].meta["val"].dtype for n in _nodes(record.backward, RS)}
+    assert gathered == {torch.bfloat16}, "the cast must come before the all-gather (half the bytes)"
+    assert reduced == {torch.float32}
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_tied_weight_dedupe_keys_on_the_parameter(fake_pg):
+    record = _train_once(models.TinyLlama())
+    params = [s.param for s in record.reports["backward"].sites if s.kind == "reduce"]
+    assert params.count("embed.weight") == 1 and len(params) == len(set(params))

@@ -9,13 +9,6 @@ import torch.fx as fx
 from fxshard.passes.markers import is_unshard
 
 
-def _source(node: Any) -> Any:
-    # Each read of a DTensor parameter calls ``.to_local()`` anew; look through it.
-    while isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to_local":
-        node = node.args[0]
-    return node
-
-
 def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Give each parameter one unshard per captured graph.
 
@@ -30,7 +23,10 @@ def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx
     duplicates: list[tuple[fx.Node, fx.Node]] = []
     for node in gm.graph.nodes:
         if is_unshard(node):
-            key = (_source(node.args[0]), *node.args[1:])
+            # The arguments after the shard name the parameter (tied uses share
+            # one name). The shard nodes themselves differ: each read calls
+            # ``.to_local()`` anew, and torch versions capture that differently.
+            key = (*node.args[1:], *sorted(node.kwargs.items()))
             if key in first:
                 duplicates.append((node, first[key]))
             else:

@@ -59,11 +59,12 @@ def _fake_value(target: Any, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
         return target(*fx.node.map_aggregate(args, unwrap), **fx.node.map_aggregate(kwargs, unwrap))
 
 
-def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any) -> None:
+def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions: dict | None) -> None:
     node = lowering.node
     source = node.args[0]
     val = source.meta["val"]
-    traced = compat.make_fx(lowering.fn)(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta"))
+    meta_input = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    traced = compat.make_fx(lowering.fn, decomposition_table=decompositions)(meta_input)
     env: dict[fx.Node, fx.Node] = {}
     result = source
     with graph.inserting_before(node):
@@ -81,7 +82,9 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any) -> None:
     graph.erase_node(node)
 
 
-def lower_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def lower_collectives_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, decompositions: dict | None = None
+) -> fx.GraphModule:
     """Replace each ``fxshard::unshard`` with its all-gather and each
     ``fxshard::reduce_grad`` with its reduce-scatter, in place.
 
@@ -89,14 +92,16 @@ def lower_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) ->
     and ``_c10d_functional`` ops (see [Note: one definition of gather and
     reduce]): cast, pad, collective, ``wait_tensor``, slice. Each collective's
     wait sits right before the collective's first use; scheduling them earlier
-    or later is a later pass's job. Does nothing on a graph without markers.
+    or later is a later pass's job. ``decompositions`` is the table of the
+    compiler that runs next (Inductor expects its decomposed op set, e.g. no
+    ``aten._to_copy``). Does nothing on a graph without markers.
     """
     plan = plan_lowering(gm)
     if not plan:
         return gm
     fake_mode = compat.detect_fake_mode(example_inputs)
     for lowering in plan:
-        _inline(gm.graph, lowering, fake_mode)
+        _inline(gm.graph, lowering, fake_mode, decompositions)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -148,9 +148,9 @@ class FXShardBackend:
         phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         record.reports[phase] = graph_report(gm, phase)
         self._note_saved_full_weights(record, phase, gm)
-        gm = run_passes(
-            gm, example_inputs, [GraphPass("lower_collectives", lower_collectives_pass)], phase=phase, dumper=dumper
-        )
+        decompositions = compat.inductor_decompositions() if self.spec.compiler == "inductor" else None
+        lower = functools.partial(lower_collectives_pass, decompositions=decompositions)
+        gm = run_passes(gm, example_inputs, [GraphPass("lower_collectives", lower)], phase=phase, dumper=dumper)
         setattr(record, phase, gm)
         if dumper:
             dumper.text("summary.txt", record.summary())

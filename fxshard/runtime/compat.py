@@ -38,10 +38,18 @@ __all__ = [
     "compile_fx_inner",
     "detect_fake_mode",
     "inductor_config_patches",
+    "inductor_decompositions",
     "make_boxed_func",
     "make_fx",
     "min_cut_rematerialization_partition",
 ]
+
+
+def inductor_decompositions() -> dict:
+    """The decomposition table Inductor applies before its post-grad passes."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
 
 
 def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) -> dict[str, Any]:
