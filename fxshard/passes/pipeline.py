@@ -91,8 +91,8 @@ def _source_digest() -> str:
 class _JointTagPass(compat.CustomGraphPass):
     """Inductor's hook for ``tag_unshard_pass``; its uuid keys torch's caches."""
 
-    def __init__(self, backend: "FXShardBackend", record: GraphRecord, dumper: Dumper | None) -> None:
-        self.backend, self.record, self.dumper = backend, record, dumper
+    def __init__(self, backend: "FXShardBackend", dumper: Dumper | None) -> None:
+        self.backend, self.dumper = backend, dumper
 
     def __call__(self, graph: fx.Graph) -> None:
         self.backend.tag_joint(graph.owning_module, (), self.dumper)
@@ -123,7 +123,7 @@ class FXShardBackend:
         )
         compile_graph = functools.partial(self._compile_graph, record, dumper)
         if self.spec.compiler == "inductor":
-            patches = compat.inductor_config_patches(_JointTagPass(self, record, dumper))
+            patches = compat.inductor_config_patches(_JointTagPass(self, dumper))
             return compat.compile_fx(record.captured, example_inputs, inner_compile=compile_graph, config_patches=patches)
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
