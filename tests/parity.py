@@ -92,8 +92,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, sc: Scenario
     torch.testing.assert_close(actual, expected, atol=sc.atol, rtol=sc.rtol, msg=lambda m: f"{what}: {m}")
 
 
+def _call(model: nn.Module, batch: Any) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    return {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
+
+
 def _step_loss(model: nn.Module, batches: list, sc: Scenario) -> torch.Tensor:
-    return sum(sc.loss(model(b), b) for b in batches)
+    return sum(sc.loss(_call(model, b), b) for b in batches)
 
 
 def _reference(sc: Scenario) -> nn.Module:
@@ -128,7 +136,7 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
     for step in range(steps):
         gens = [torch.Generator().manual_seed(1000 * step + 10 * r + i) for r in range(world_size)
                 for i in range(sc.forwards_per_step)]  # fmt: skip
-        batches = [sc.make_batch(g).to(device) for g in gens]
+        batches = [_to(sc.make_batch(g), device) for g in gens]
         per_rank = [batches[r * sc.forwards_per_step:(r + 1) * sc.forwards_per_step] for r in range(world_size)]
         loss = _step_loss(model, per_rank[rank], sc)
         loss.backward()

@@ -134,3 +134,23 @@ def test_tied_weight_dedupe_keys_on_the_parameter(fake_pg):
     record = _train_once(models.TinyLlama())
     params = [s.param for s in record.reports["backward"].sites if s.kind == "reduce"]
     assert params.count("embed.weight") == 1 and len(params) == len(set(params))
+
+
+def test_dedupe_keeps_side_effecting_nodes_without_users():
+    """Dynamo graphs hold impure calls with no users (vmap nesting, say);
+    de-duplication must erase only the reads it merged."""
+    from fxshard.passes.dedupe import dedupe_unshard_pass
+    from fxshard.runtime.ops import UNSHARD
+
+    graph = fx.Graph()
+    param = graph.placeholder("param")
+    reads = []
+    for _ in range(2):
+        local = graph.call_method("to_local", (param,))
+        reads.append(graph.call_function(UNSHARD, (local, 8, 2, "0", "w", None, None)))
+    graph.call_function(torch._C._functorch._vmap_decrement_nesting, ())  # impure, no users
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, tuple(reads)))
+    gm = dedupe_unshard_pass(fx.GraphModule(nn.Module(), graph), ())
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(UNSHARD) == 1 and targets.count("to_local") == 1
+    assert torch._C._functorch._vmap_decrement_nesting in targets

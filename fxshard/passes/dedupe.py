@@ -35,8 +35,13 @@ def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx
         return gm
     for node, keep in duplicates:
         node.replace_all_uses_with(keep)
+        shard = node.args[0]
         gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+        # Erase only what this pass made dead. Never run whole-graph dead-code
+        # elimination on a captured graph: it holds side-effecting calls with
+        # no users (dynamo inlines vmap's ``_vmap_decrement_nesting()``, say).
+        if isinstance(shard, fx.Node) and not shard.users and shard.op == "call_method" and shard.target == "to_local":
+            gm.graph.erase_node(shard)
     gm.graph.lint()
     gm.recompile()
     return gm
