@@ -39,6 +39,8 @@ class Scenario:
     # +-lr step, so a few elements may differ; allow this fraction of them.
     outlier_fraction: float = 0.0
     clip_norm: float | None = None  # clip_grad_norm_ on the shards and on the reference
+    prepare: Callable[[nn.Module], Any] | None = None  # applied to model and reference, before compile
+    steps: int = 3
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -117,8 +119,8 @@ def _device(rank: int) -> torch.device:
     return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) -> dict:
-    device = _device(rank)
+def train_and_compare(rank: int, world_size: int, sc: Scenario) -> dict:
+    device, steps = _device(rank), sc.steps
     torch.manual_seed(0)
     model = sc.make_model().to(device)
     for name, param in model.named_parameters():
@@ -127,6 +129,9 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
     ref = _reference(sc).to(device)
     ref.load_state_dict({k: v.to(p.dtype) for (k, v), p in zip(model.state_dict().items(), ref.state_dict().values())})
     master = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in ref.parameters()]
+    if sc.prepare is not None:
+        sc.prepare(model)
+        sc.prepare(ref)
     fxshard.compile(model, **sc.compile_kwargs)
     # eps=1e-6, not 1e-8: Adam's g / (|g| + eps) would turn fp32 reduction-order
     # noise on gradients near 1e-8 into update differences of ~1e-5 that grow
@@ -171,7 +176,7 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, steps: int = 3) 
     for key, value in state.items():
         if key in named_master:
             _close(value.full_tensor(), named_master[key].detach(), f"state_dict[{key!r}]", sc)
-    return {"graphs": len(getattr(model.fxshard_plan, "graphs", []))}
+    return {"graphs": model.fxshard_plan.graphs}
 
 
 def eval_no_grad_check(rank: int, world_size: int) -> dict:
@@ -192,6 +197,12 @@ def eval_no_grad_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def _registry() -> tuple[dict[str, Callable[[int, int], Any]], dict[str, Scenario]]:
+    from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
+
+    return {"eval_no_grad": eval_no_grad_check, **HF_CHECKS}, {**SCENARIOS, **HF_SCENARIOS}
+
+
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
     """Run each named check; map its name to None (passed) or the failure."""
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity: no TF32 on GPUs
@@ -200,10 +211,11 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
     for name in names:
         try:
             base, _, compiler = name.partition("@")  # "llama_tied@inductor": another compiler
-            if base == "eval_no_grad":
-                eval_no_grad_check(rank, world_size)
+            checks, scenarios = _registry()
+            if base in checks:
+                checks[base](rank, world_size)
             else:
-                sc = SCENARIOS[base]
+                sc = scenarios[base]
                 if compiler:
                     sc = dataclasses.replace(sc, compile_kwargs={**sc.compile_kwargs, "backend": compiler})
                 train_and_compare(rank, world_size, sc)

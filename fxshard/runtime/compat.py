@@ -41,8 +41,22 @@ __all__ = [
     "inductor_decompositions",
     "make_boxed_func",
     "make_fx",
+    "skip_as_top_frame",
     "min_cut_rematerialization_partition",
 ]
+
+
+def skip_as_top_frame(code: Any) -> None:
+    """Never compile ``code`` as a frame of its own, but still inline it into
+    frames that dynamo traces (what dynamo does for ``torch.nn``'s code)."""
+    from torch._dynamo import eval_frame
+
+    if hasattr(eval_frame, "skip_code"):
+        eval_frame.skip_code(code)
+        return
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy, _FrameAction, _FrameExecStrategy
+
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
 def inductor_decompositions() -> dict:

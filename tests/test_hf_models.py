@@ -1,0 +1,40 @@
+"""Hugging Face transformers models train with one fxshard.compile call.
+
+Gloo, one process per rank, each rank on different data; the same loss,
+gradients and updated parameters as unsharded training. World size 3 runs
+the models whose parameter reads differ between ranks (MoE expert loops).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.distributed import check_results, run_ranks  # noqa: E402
+from tests.hf_parity import HF_CHECKS, HF_SCENARIOS  # noqa: E402
+
+ALL = [*HF_SCENARIOS, *HF_CHECKS]
+PER_WORLD_SIZE = {
+    2: ALL,
+    3: ["hf_mixtral_expert_loop", "hf_jamba"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PER_WORLD_SIZE), ids=lambda ws: f"ws{ws}")
+def hf_run(request):
+    from tests.parity import run_all
+
+    world_size = request.param
+    results = run_ranks(world_size, run_all, PER_WORLD_SIZE[world_size], timeout=900)
+    check_results(results)
+    return world_size, results
+
+
+@pytest.mark.parametrize("check", ALL)
+def test_hf_model_matches_unsharded(hf_run, check):
+    world_size, results = hf_run
+    if check not in PER_WORLD_SIZE[world_size]:
+        pytest.skip(f"{check} runs at world size 2 only (CPU time)")
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check] is not None]
+    assert not failures, "\n".join(failures)
