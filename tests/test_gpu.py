@@ -1,7 +1,9 @@
-"""GPU gates: the parity scenarios with NCCL on 2 GPUs, both compilers.
+"""GPU gates: every parity scenario with NCCL on 2 GPUs, under both compilers.
 
-Skipped without 2 CUDA GPUs. Run on the device machine:
-    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py
+Skipped without 2 CUDA GPUs. Run on the device machine, in two groups that
+each fit one device call:
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -k core
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -k hf
 """
 
 from __future__ import annotations
@@ -10,26 +12,44 @@ import pytest
 import torch
 
 from tests.distributed import check_results, run_ranks
-from tests.parity import SCENARIOS, run_all
+from tests.parity import SCENARIOS, Scenario, run_all
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
-# Every scenario under both compilers.
-GPU_CHECKS = [*SCENARIOS, "eval_no_grad"] + [
-    f"{name}@inductor" for name, sc in SCENARIOS.items() if sc.compile_kwargs.get("backend") == "aot_eager"
-]
+
+try:
+    import transformers  # noqa: F401
+
+    from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
+except ImportError:
+    HF_CHECKS, HF_SCENARIOS = {}, {}
 
 
-@pytest.fixture(scope="module")
-def nccl_run():
-    results = run_ranks(2, run_all, GPU_CHECKS, timeout=900, backend="nccl")
-    check_results(results)
-    return results
+def _both_compilers(scenarios: dict[str, Scenario], checks: list[str]) -> list[str]:
+    aot_eager = [n for n, sc in scenarios.items() if sc.compile_kwargs.get("backend") == "aot_eager"]
+    return [*scenarios, *checks] + [f"{n}@inductor" for n in aot_eager]
 
 
-@pytest.mark.parametrize("check", GPU_CHECKS)
-def test_nccl_parity(nccl_run, check):
-    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(nccl_run) if res[check] is not None]
+GROUPS = {
+    "core": _both_compilers(SCENARIOS, ["eval_no_grad"]),
+    "hf": _both_compilers(HF_SCENARIOS, list(HF_CHECKS)),
+}
+CASES = [(group, check) for group, checks in GROUPS.items() for check in checks]
+_results: dict[str, list] = {}
+
+
+def _group_results(group: str) -> list:
+    if group not in _results:
+        results = run_ranks(2, run_all, GROUPS[group], timeout=900, backend="nccl")
+        check_results(results)
+        _results[group] = results
+    return _results[group]
+
+
+@pytest.mark.parametrize("group, check", CASES, ids=[f"{g}-{c}" for g, c in CASES])
+def test_nccl_parity(group, check):
+    results = _group_results(group)
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check] is not None]
     assert not failures, "\n".join(failures)

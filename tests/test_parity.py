@@ -8,18 +8,16 @@ from tests.distributed import check_results, run_ranks
 from tests.parity import SCENARIOS, run_all
 
 CHECKS = [*SCENARIOS, "eval_no_grad"]
-# CPU time on 2 cores: inductor (C++ compiles) runs at world size 2 only; world
-# sizes 2 and 4 run everything else; 1 and 3 run the checks whose shard layout
-# changes with the world size (empty and ragged shards, tied and direct reads).
+# CPU time on 2 cores: world size 2 runs every check, inductor (C++ compiles)
+# included; 1, 3 and 4 run the checks whose shard layout changes with the
+# world size (empty and ragged shards, tied and direct reads).
 INDUCTOR_WORLD_SIZES = (2,)
 LAYOUT_CHECKS = ("llama_tied", "llama_tied_keep_full", "mamba_direct_reads", "uneven_and_empty",
                  "uneven_and_empty_keep_full", "eval_no_grad")  # fmt: skip
 
 
 def _checks_for(world_size: int) -> list[str]:
-    if world_size in (1, 3):
-        return list(LAYOUT_CHECKS)
-    return [c for c in CHECKS if "inductor" not in c or world_size in INDUCTOR_WORLD_SIZES]
+    return list(CHECKS) if world_size in INDUCTOR_WORLD_SIZES else list(LAYOUT_CHECKS)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda ws: f"ws{ws}")

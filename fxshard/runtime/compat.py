@@ -39,11 +39,25 @@ __all__ = [
     "detect_fake_mode",
     "inductor_config_patches",
     "inductor_decompositions",
+    "is_checkpoint_region",
     "make_boxed_func",
     "make_fx",
     "skip_as_top_frame",
     "min_cut_rematerialization_partition",
 ]
+
+
+# torch 2.13 passes a DTensor's DeviceMesh into graphs as an opaque input.
+# Inside an activation-checkpoint region AOTAutograd then saves the mesh for
+# backward and fails at run time ("expected all tensors_saved_with_vc_check to
+# be Tensors"). Seen on 2.13 (CPU); torch 2.11 (GPU) trains such graphs
+# correctly. Version-gated because the failure only shows at run time.
+CHECKPOINT_REGIONS_SUPPORTED = TORCH_VERSION < (2, 13)
+
+
+def is_checkpoint_region(node: Any) -> bool:
+    """A dynamo node for a ``torch.utils.checkpoint`` region."""
+    return node.op == "call_function" and "checkpoint" in str(getattr(node.target, "__name__", node.target))
 
 
 def skip_as_top_frame(code: Any) -> None:
