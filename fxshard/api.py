@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.policy import MixedPrecision
-from fxshard.sharding import FXShardModule, ParamShard, shard_parameters
+from fxshard.sharding import FXShardModule, ParamShard, RootState, shard_parameters
 
 log = logging.getLogger("fxshard")
 
@@ -40,6 +40,13 @@ class ShardPlan:
     backend: str
     debug_dir: str | None
     graphs: list[GraphRecord]
+    root: RootState
+
+    @property
+    def sequenced(self) -> bool:
+        """Whether reads go through the sequencer (see [Note: two ways to read]);
+        decided by the first call."""
+        return self.root.sequenced
 
 
 def _check_model(model: nn.Module) -> None:
@@ -149,15 +156,17 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
 
-    params = shard_parameters(model, mesh, mp_policy)
+    params, state = shard_parameters(model, mesh, mp_policy, sequenced=backend == "eager")
     graphs: list[GraphRecord] = []
     if backend != "eager":
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir)  # fmt: skip
         compiled = FXShardBackend(spec)
         graphs = compiled.graphs
-        model.compile(backend=compiled)
-    plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs)
+        # One graph, or sequenced reads: see [Note: two ways to read].
+        model.compile(backend=compiled, fullgraph=True)
+        state.on_graph_break = lambda error: model.compile(backend=compiled, fullgraph=False)
+    plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state)
     type(model).fxshard_plan = property(lambda self: plan, doc="The ShardPlan fxshard.compile made.")
     log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
     return model

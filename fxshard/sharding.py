@@ -15,17 +15,30 @@ The root's class also gets a ``forward`` defined here. Dynamo skips frames
 whose code lives in torch (``nn.Sequential.forward``, say) when they are the
 top frame, so the compiled top frame must be fxshard's.
 
-[Note: reads outside compiled graphs]
-Real models break graphs, and dynamo then runs parts of them eagerly, such as
-an MoE loop over only the experts that received tokens. A read there must not
-gather once per loop iteration: the count would differ between ranks, and
-the ranks would hang or pair the wrong buffers. So the property works two ways:
-- traced by dynamo, it emits the ``fxshard::unshard`` marker that the passes
-  lower (one gather per parameter per graph);
-- run eagerly, it gathers through ``EagerReads``: once per parameter per
-  call of the root module, cached until the call returns. Autograd then sums
-  every use into one reduce. The number and order of gathers follow the
-  program order of first reads, which is the same on every rank.
+[Note: two ways to read]
+How a read inside a call of the root module gathers depends on the capture:
+- The forward is one graph (``fullgraph=True`` succeeded on the first call):
+  each read emits the ``fxshard::unshard`` marker on the rank's local shard,
+  and the graph passes turn the markers into collectives inside the graph.
+  One graph runs once per call on every rank, so every rank issues the same
+  collectives.
+- The forward breaks into several graphs with Python between them, which may
+  branch on data (an MoE loop over the experts that received tokens). Then
+  every read, compiled or eager, goes through the model's ``Sequencer``,
+  which issues collectives in plan order whatever the reads were (see
+  [Note: sequenced reads]).
+The choice is made once, on the first call, before any collective runs, and
+is the same on every rank: a graph break depends on the code, not the data.
+
+[Note: plain tensors into compiled graphs]
+Compiled graphs never see a DTensor. Each root call fills every owning
+module's ``_fxshard_locals`` table: the local shards (one ``_ToLocal`` node
+links their gradients back to the DTensor parameters), or, for sequenced
+reads, the call's anchors. The property reads from that table, so dynamo
+lifts plain tensors as graph inputs. (torch 2.13 passes a DTensor's
+DeviceMesh into graphs as an opaque value, which AOTAutograd cannot save for
+backward inside activation-checkpoint regions.)
+
 The property's code is never compiled as a frame of its own (see
 ``compat.skip_as_top_frame``); otherwise dynamo would compile it alone,
 once per parameter, each time eager code reads a parameter.
@@ -34,8 +47,9 @@ once per parameter, each time eager code reads a parameter.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -46,6 +60,11 @@ from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
 from fxshard.runtime.ops import unshard
+from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
+
+log = logging.getLogger("fxshard")
+
+ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # keys in _fxshard_locals
 
 
 class FXShardModule:
@@ -67,70 +86,163 @@ class ParamShard:
     dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
     reduce_dtype: torch.dtype | None
     requires_grad: bool
+    shape: tuple[int, ...]  # the full parameter's
+    shard_dtype: torch.dtype
+    device: torch.device
 
 
-def _gather(shard: DTensor, spec: ParamShard) -> torch.Tensor:
-    return unshard(
-        shard.to_local(), spec.dim0, spec.world_size, spec.group_name, spec.fqn, spec.dtype, spec.reduce_dtype
-    )
+def _gather(local: torch.Tensor, spec: ParamShard) -> torch.Tensor:
+    return unshard(local, spec.dim0, spec.world_size, spec.group_name, spec.fqn, spec.dtype, spec.reduce_dtype)
 
 
-class EagerReads:
-    """Gathers for parameter reads that run eagerly, cached per root call.
+class _ToLocal(torch.autograd.Function):
+    """The local tensors of many DTensor parameters in one autograd node; the
+    backward wraps each local gradient back into a DTensor (as ``to_local``)."""
 
-    See [Note: reads outside compiled graphs]. One instance per compiled
-    model; ``scope()`` wraps each call of the root module.
+    @staticmethod
+    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
+        ctx.metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+        return tuple(p.to_local().view_as(p.to_local()) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        return tuple(
+            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+            for g, (mesh, placements, shape, stride) in zip(grads, ctx.metas)
+        )
+
+
+class LocalShards:
+    """The plain local tensors that compiled graphs read, one per parameter.
+
+    See [Note: plain tensors into compiled graphs]. Each owning module holds
+    ``_fxshard_locals``, a dict (attribute name -> local tensor) that this
+    refreshes at the start of every call of the root module and empties after.
     """
 
-    def __init__(self) -> None:
-        self._cache: dict[tuple[str, bool], torch.Tensor] | None = None
+    def __init__(self, owners: list[tuple[nn.Module, str]]) -> None:
+        self._owners = owners  # (module, attribute), one per distinct parameter
+        self._tables: list[dict[str, torch.Tensor]] = []
+        for module, _ in owners:
+            if "_fxshard_locals" not in module.__dict__:
+                module.__dict__["_fxshard_locals"] = {}
+                self._tables.append(module.__dict__["_fxshard_locals"])
+
+    def _params(self) -> list[DTensor]:
+        params = []
+        for module, attr in self._owners:
+            param = module._parameters.get(attr)
+            if not isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter {attr!r} of {type(module).__name__} was replaced after fxshard.compile "
+                    f"(it is now {type(param).__name__}); load values with load_state_dict() or copy_() "
+                    "into the existing shards instead of assigning new parameters"
+                )
+            params.append(param)
+        return params
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        outer, self._cache = self._cache, {}
+        params = self._params()
+        trained = [i for i, p in enumerate(params) if p.requires_grad]
+        locals_: list[torch.Tensor | None] = [None] * len(params)
+        if trained and torch.is_grad_enabled():
+            for i, local in zip(trained, _ToLocal.apply(*(params[i] for i in trained))):
+                locals_[i] = local
+        for i, p in enumerate(params):
+            if locals_[i] is None:
+                locals_[i] = p.to_local().detach()
+        tied: dict[int, torch.Tensor] = {}
+        for (module, attr), p, local in zip(self._owners, params, locals_):
+            tied.setdefault(id(p), local)
+            module.__dict__["_fxshard_locals"][attr] = tied[id(p)]
         try:
             yield
         finally:
-            self._cache = outer
+            for table in self._tables:
+                table.clear()
 
-    @torch.compiler.disable  # eager by definition: dynamo must not compile its frames either
-    def read(self, shard: DTensor, spec: ParamShard) -> torch.Tensor:
-        if self._cache is None:  # outside a call of the model: every read gathers
-            return _gather(shard, spec)
-        key = (spec.fqn, torch.is_grad_enabled())
-        if key not in self._cache:
-            self._cache[key] = _gather(shard, spec)
-        return self._cache[key]
+    @contextlib.contextmanager
+    def anchors(self, anchor: torch.Tensor, frozen: torch.Tensor) -> Iterator[None]:
+        for table in self._tables:
+            table[ANCHOR], table[FROZEN_ANCHOR] = anchor, frozen
+        try:
+            yield
+        finally:
+            for table in self._tables:
+                table.clear()
 
 
-def _gathering_property(attr: str, spec: ParamShard, reads: EagerReads) -> property:
+def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) -> property:
+    shape, dtype = list(spec.shape), spec.dtype or spec.shard_dtype
+
     def get(module: nn.Module) -> torch.Tensor:
-        shard = module._parameters[attr]
-        if torch.compiler.is_compiling():
-            return _gather(shard, spec)
-        return reads.read(shard, spec)
+        table = module._fxshard_locals
+        if ANCHOR in table:  # sequenced reads (see [Note: two ways to read])
+            anchor = table[ANCHOR] if spec.requires_grad else table[FROZEN_ANCHOR]
+            return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
+        # Inside a root call the local comes from the table; outside one (a
+        # submodule called directly, a read after training), from the DTensor.
+        local = table[attr] if attr in table else module._parameters[attr].to_local()
+        return _gather(local, spec)
 
     compat.skip_as_top_frame(get.__code__)
     return property(get, doc=f"The full parameter {spec.fqn!r}, gathered from its shards.")
 
 
-def _root_methods(base: type, reads: EagerReads) -> dict[str, object]:
+class RootState:
+    """How the root module's calls read parameters (see [Note: two ways to read])."""
+
+    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool) -> None:
+        self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
+        self.calls = 0
+        # Set by fxshard.compile: recompile allowing graph breaks; called once.
+        self.on_graph_break: Callable[[BaseException], None] | None = None
+
+    def call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        if self.sequenced:
+            with self.sequencer.call() as (anchor, frozen), self.shards.anchors(anchor, frozen):
+                return base.__call__(module, *args, **kwargs)
+        try:
+            with self.shards.scope():
+                out = base.__call__(module, *args, **kwargs)
+        except Exception as error:
+            if not compat.is_graph_break(error):
+                raise
+            if self.calls or self.on_graph_break is None:
+                raise NotImplementedError(
+                    "fxshard: a graph break appeared after the first call (a recompile for new input shapes or "
+                    "modes). fxshard chooses how to gather on the first call, the same on every rank, and cannot "
+                    "switch later. Make the first call representative (same mode and code path), or remove the "
+                    f"graph break. Dynamo said: {compat.graph_break_reason(error)}"
+                ) from error
+            log.warning("fxshard: the forward has graph breaks; reads go through the sequencer "
+                        "(no reshard, reduces at the end of backward). Dynamo said: %s",
+                        compat.graph_break_reason(error))  # fmt: skip
+            self.on_graph_break(error)
+            self.sequenced = True
+            return self.call(module, base, args, kwargs)
+        self.calls += 1
+        return out
+
+
+def _root_methods(base: type, state: RootState) -> dict[str, object]:
     def forward(self, *args, **kwargs):
         return base.forward(self, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        with reads.scope():
-            return base.__call__(self, *args, **kwargs)
+        return state.call(self, base, args, kwargs)
 
-    return {"forward": forward, "__call__": __call__}
+    return {"forward": forward, "__call__": __call__, "fxshard_root_state": property(lambda self: state)}
 
 
-def _swap_class(module: nn.Module, attrs: dict[str, ParamShard], root: bool, reads: EagerReads) -> None:
+def _swap_class(module: nn.Module, properties: dict[str, property], state: RootState | None) -> None:
     base = type(module)
-    namespace: dict[str, object] = {name: _gathering_property(name, spec, reads) for name, spec in attrs.items()}
-    if root:
-        namespace.update(_root_methods(base, reads))
-    mixin = FXShardRoot if root else FXShardModule
+    namespace: dict[str, object] = dict(properties)
+    if state is not None:
+        namespace.update(_root_methods(base, state))
+    mixin = FXShardModule if state is None else FXShardRoot
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
@@ -142,8 +254,11 @@ def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> nn.P
     return nn.Parameter(dt, requires_grad=requires_grad)
 
 
-def shard_parameters(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision) -> tuple[ParamShard, ...]:
-    """Shard every parameter of ``model`` in place; return the plan of each.
+def shard_parameters(
+    model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision, sequenced: bool
+) -> tuple[tuple[ParamShard, ...], RootState]:
+    """Shard every parameter of ``model`` in place; return the plan of each
+    and the root's state. ``sequenced`` starts with sequenced reads (eager runs).
 
     A parameter owned by several modules (tied weights) becomes one shard,
     registered in every owner, and is named by its first owner's path.
@@ -161,11 +276,12 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision) -> 
                 fqn = f"{mod_name}.{attr}" if mod_name else attr
                 dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
                 specs[id(param)] = ParamShard(
-                    fqn, param.shape[0], mesh.size(), mesh.get_group().group_name,
-                    dtype, mp.reduce_dtype, param.requires_grad,
+                    fqn, param.shape[0], mesh.size(), mesh.get_group().group_name, dtype, mp.reduce_dtype,
+                    param.requires_grad, tuple(param.shape), param.dtype, param.device,
                 )  # fmt: skip
 
     per_module: dict[nn.Module, dict[str, ParamShard]] = {}
+    entries: list[SeqEntry] = []
     for key, mod_attrs in owners.items():
         spec = specs[key]
         first_mod, first_attr = mod_attrs[0]
@@ -173,8 +289,30 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision) -> 
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
+        entries.append(_seq_entry(first_mod, first_attr, spec, mesh))
     per_module.setdefault(model, {})
-    reads = EagerReads()
+    index = {spec.fqn: i for i, spec in enumerate(specs.values())}
+    sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
+    shards = LocalShards([(mod, attr) for mod, attrs in per_module.items() for attr in attrs])
+    state = RootState(shards, sequencer, sequenced)
     for mod, attrs in per_module.items():
-        _swap_class(mod, attrs, root=mod is model, reads=reads)
-    return tuple(specs.values())
+        props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}
+        _swap_class(mod, props, state if mod is model else None)
+    return tuple(specs.values()), state
+
+
+def _seq_entry(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh) -> SeqEntry:
+    def local() -> torch.Tensor:
+        return module._parameters[attr].to_local().detach()
+
+    def add_grad(grad: torch.Tensor) -> None:
+        param = module._parameters[attr]
+        if param.grad is None:
+            param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())  # fmt: skip
+        else:
+            param.grad.to_local().add_(grad)
+
+    start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+    return SeqEntry(spec.fqn, spec.dim0, end - start, spec.shape, spec.dtype, spec.reduce_dtype, spec.shard_dtype,
+                    spec.requires_grad, local, add_grad)  # fmt: skip

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
 from tests import hf_models
-from fxshard.runtime.compat import CHECKPOINT_REGIONS_SUPPORTED
+from fxshard.runtime.compat import is_checkpoint_region
 from tests.parity import ATOL, RTOL, Scenario, _device, train_and_compare
 
 
@@ -21,10 +21,22 @@ def _hf_loss(out: Any, batch: Any) -> torch.Tensor:
     return out.loss  # the model computes it from labels=, as users call it
 
 
+SEQUENCED = {"mixtral_expert_loop": True, "jamba": True, "llama": False, "qwen3": False, "mamba": False, "mamba2": False}
+
+
 def _hf(name: str, **kwargs: Any) -> Scenario:
     make_batch = hf_models.short_batch if name.startswith("mixtral") else hf_models.batch
     kwargs.setdefault("compile_kwargs", dict(backend="aot_eager"))
+    kwargs.setdefault("sequenced", SEQUENCED.get(name))
     return Scenario(make_model=hf_models.MODELS[name], make_batch=make_batch, loss=_hf_loss, steps=1, **kwargs)
+
+
+def _checkpointing(**kwargs: Any) -> Callable[[nn.Module], None]:
+    def prepare(model: nn.Module) -> None:
+        model.config.use_cache = False  # else transformers logs a warning: a graph break
+        model.gradient_checkpointing_enable(kwargs or None)
+
+    return prepare
 
 
 class CheckpointedLlama(Llama):
@@ -39,9 +51,8 @@ class CheckpointedLlama(Llama):
 
 HF_SCENARIOS: dict[str, Scenario] = {
     **{f"hf_{name}": _hf(name) for name in hf_models.MODELS},
-    # Not here yet: transformers' gradient_checkpointing_enable(). AOTAutograd
-    # then saves the DTensor's DeviceMesh (an opaque graph input) for backward
-    # and fails ("expected all tensors_saved_with_vc_check to be Tensors").
+    "hf_llama_gradient_checkpointing": _hf("llama", prepare=_checkpointing()),
+    "hf_qwen3_gradient_checkpointing_reentrant": _hf("qwen3", prepare=_checkpointing(use_reentrant=True)),
     "llama_block_checkpoint": Scenario(
         make_model=lambda: CheckpointedLlama(LlamaConfig()), make_batch=lambda g: torch.randint(0, 37, (2, 9), generator=g),
         loss=lm_loss, compile_kwargs=dict(backend="aot_eager"), steps=2,
@@ -49,23 +60,29 @@ HF_SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def block_checkpoint_gathers_once(rank: int, world_size: int) -> None:
-    """Checkpointed blocks: backward gathers each parameter once, for the
-    recompute and the gradients together, never twice. Where torch cannot
-    (see compat.CHECKPOINT_REGIONS_SUPPORTED), the error says so."""
-    scenario = HF_SCENARIOS["llama_block_checkpoint"]
-    if not CHECKPOINT_REGIONS_SUPPORTED:
-        try:
-            train_and_compare(rank, world_size, scenario)
-        except Exception as error:  # dynamo wraps the backend's error
-            assert "activation checkpointing inside an fxshard-compiled graph" in str(error), error
-            return
-        raise AssertionError("expected a clear NotImplementedError for checkpointing on this torch")
-    graphs = train_and_compare(rank, world_size, scenario)["graphs"]
-    for record in graphs:
-        gathered = collections.Counter(s.param for s in record.reports["backward"].sites if s.kind == "unshard")
-        assert gathered and max(gathered.values()) == 1, gathered
-        assert record.saved_full_weights == ()
+CHECKPOINTED = ("llama_block_checkpoint", "hf_llama_gradient_checkpointing", "hf_qwen3_gradient_checkpointing_reentrant")
+
+
+def checkpoint_gathers_once(scenario_name: str) -> Callable[[int, int], None]:
+    """Checkpointed blocks keep parity, and backward gathers each parameter
+    once, for the recompute and the gradients together, never twice; the
+    forward saves no full weight."""
+
+    def check(rank: int, world_size: int) -> None:
+        scenario = HF_SCENARIOS[scenario_name]
+        model = train_and_compare(rank, world_size, scenario)["model"]
+        plan = model.fxshard_plan
+        assert not plan.sequenced, "expected one graph: the test checks the graph's collectives"
+        regions = sum(is_checkpoint_region(n) for g in plan.graphs for n in g.captured.graph.nodes)
+        assert regions >= 2, f"expected a checkpoint region per block, found {regions}"
+        trained = [g for g in plan.graphs if "backward" in g.reports]
+        assert trained
+        for record in trained:
+            gathered = collections.Counter(s.param for s in record.reports["backward"].sites if s.kind == "unshard")
+            assert gathered and max(gathered.values()) == 1, gathered
+            assert record.saved_full_weights == ()
+
+    return check
 
 
 def eval_changing_lengths(rank: int, world_size: int) -> None:
@@ -89,6 +106,6 @@ def eval_changing_lengths(rank: int, world_size: int) -> None:
 
 
 HF_CHECKS: dict[str, Callable[[int, int], None]] = {
-    "llama_block_checkpoint_gathers_once": block_checkpoint_gathers_once,
+    **{f"{name}_gathers_once": checkpoint_gathers_once(name) for name in CHECKPOINTED},
     "hf_eval_changing_lengths": eval_changing_lengths,
 }

@@ -108,3 +108,29 @@ class GraphBreaks(nn.Module):
         else:
             h = h - 1
         return self.second(h)
+
+
+class RoutedExperts(nn.Module):
+    """The older MoE pattern (transformers 4.x Mixtral, many research repos):
+    one module per expert, called only for the experts that received tokens.
+    Which experts run, and so which parameters are read, differs by rank."""
+
+    def __init__(self, dim: int = 6, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 10), nn.SiLU(), nn.Linear(10, dim)) for _ in range(experts)
+        )
+        self.head = nn.Linear(dim, 3)
+        self.experts_used: list[tuple[int, ...]] = []  # per call, for the test
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        choice = self.router(flat).argmax(-1)
+        out = torch.zeros_like(flat)
+        chosen = choice.unique().tolist()  # data-dependent: the experts this rank's tokens chose
+        self.experts_used.append(tuple(chosen))
+        for e in chosen:
+            idx = (choice == e).nonzero().squeeze(1)
+            out = out.index_add(0, idx, self.experts[e](flat[idx]))
+        return self.head(out + flat)

@@ -41,6 +41,9 @@ class Scenario:
     clip_norm: float | None = None  # clip_grad_norm_ on the shards and on the reference
     prepare: Callable[[nn.Module], Any] | None = None  # applied to model and reference, before compile
     steps: int = 3
+    # How fxshard must read (see [Note: two ways to read]): True, sequenced
+    # (graph breaks); False, one graph; None, not checked.
+    sequenced: bool | None = None
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -54,7 +57,7 @@ def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=lm_loss)
 MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
 SCENARIOS: dict[str, Scenario] = {
-    "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), clip_norm=0.5),
+    "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), clip_norm=0.5, sequenced=False),
     "llama_tied_keep_full": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False)),
     "llama_tied_inductor": Scenario(**LLAMA, compile_kwargs=dict(backend="inductor")),
     "llama_eager_accessors": Scenario(**LLAMA, compile_kwargs=dict(backend="eager")),
@@ -71,7 +74,11 @@ SCENARIOS: dict[str, Scenario] = {
     "frozen": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), freeze=("embed.", "layers.0.attn.")),
     "graph_breaks": Scenario(
         make_model=models.GraphBreaks, make_batch=lambda g: torch.randn(4, 6, generator=g), loss=_mse,
-        compile_kwargs=dict(backend="aot_eager"),
+        compile_kwargs=dict(backend="aot_eager"), sequenced=True,
+    ),
+    "routed_experts": Scenario(
+        make_model=models.RoutedExperts, make_batch=lambda g: torch.randn(1, 3, 6, generator=g), loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"), sequenced=True,
     ),
     "two_forwards_one_backward": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), forwards_per_step=2),
     "mixed_precision_bf16": Scenario(
@@ -164,6 +171,7 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario) -> dict:
         opt.step()
         ref_opt.step()
         opt.zero_grad()
+        ref_opt.zero_grad()  # a parameter unused next step must not keep this step's gradient
         ref.zero_grad()
         with torch.no_grad():
             for q, m in zip(ref.parameters(), master):
@@ -176,7 +184,9 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario) -> dict:
     for key, value in state.items():
         if key in named_master:
             _close(value.full_tensor(), named_master[key].detach(), f"state_dict[{key!r}]", sc)
-    return {"graphs": model.fxshard_plan.graphs}
+    if sc.sequenced is not None:
+        assert model.fxshard_plan.sequenced == sc.sequenced, f"expected sequenced={sc.sequenced}"
+    return {"graphs": model.fxshard_plan.graphs, "model": model}
 
 
 def eval_no_grad_check(rank: int, world_size: int) -> dict:
@@ -197,10 +207,22 @@ def eval_no_grad_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def routed_experts_check(rank: int, world_size: int) -> dict:
+    """Ranks route tokens to different experts, so they read different
+    parameters; they still issue the same collectives and match the reference."""
+    model = train_and_compare(rank, world_size, SCENARIOS["routed_experts"])["model"]
+    seen: list = [None] * world_size
+    dist.all_gather_object(seen, (model.experts_used, model.fxshard_root_state.sequencer.gathers))
+    if world_size > 1:
+        assert len({tuple(s) for s, _ in seen}) > 1, f"every rank chose the same experts: {seen}"
+    assert len({n for _, n in seen}) == 1, f"ranks issued different numbers of gathers: {seen}"
+    return {}
+
+
 def _registry() -> tuple[dict[str, Callable[[int, int], Any]], dict[str, Scenario]]:
     from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
 
-    return {"eval_no_grad": eval_no_grad_check, **HF_CHECKS}, {**SCENARIOS, **HF_SCENARIOS}
+    return {"eval_no_grad": eval_no_grad_check, "routed_experts_differ": routed_experts_check, **HF_CHECKS}, {**SCENARIOS, **HF_SCENARIOS}
 
 
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:

@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.distributed import check_results, run_ranks  # noqa: E402
-from tests.hf_parity import HF_CHECKS, HF_SCENARIOS  # noqa: E402
+from tests.hf_parity import CHECKPOINTED, HF_CHECKS, HF_SCENARIOS  # noqa: E402
 
-# llama_block_checkpoint runs inside llama_block_checkpoint_gathers_once.
-ALL = [name for name in HF_SCENARIOS if name != "llama_block_checkpoint"] + list(HF_CHECKS)
+# The checkpointed scenarios run inside their *_gathers_once checks.
+ALL = [name for name in HF_SCENARIOS if name not in CHECKPOINTED] + list(HF_CHECKS)
 # CPU time on 2 cores: Mixtral with transformers' default grouped_mm experts
 # (data-independent) runs on the GPUs only (tests/test_gpu.py).
 PER_WORLD_SIZE = {

@@ -6,13 +6,13 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from fxshard.passes.markers import is_unshard
+from fxshard.passes.markers import is_seq_gather, is_unshard
 
 
 def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Give each parameter one unshard per captured graph.
 
-    Matches: ``fxshard::unshard`` nodes on the same shard with the same
+    Matches: ``fxshard::unshard`` (or ``fxshard::seq_gather``) nodes with the same
     arguments, as produced by tied weights (an embedding reused as the output
     projection) or by reading one parameter twice (a parent reading a child's
     weight directly). Rewrites every later read to use the first; autograd then
@@ -22,11 +22,10 @@ def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx
     first: dict[tuple, fx.Node] = {}
     duplicates: list[tuple[fx.Node, fx.Node]] = []
     for node in gm.graph.nodes:
-        if is_unshard(node):
-            # The arguments after the shard name the parameter (tied uses share
-            # one name). The shard nodes themselves differ: each read calls
-            # ``.to_local()`` anew, and torch versions capture that differently.
-            key = (*node.args[1:], *sorted(node.kwargs.items()))
+        if is_unshard(node) or is_seq_gather(node):
+            # The arguments after the shard (or anchor) name the parameter
+            # (tied uses share one name). The shard nodes themselves may differ.
+            key = (node.target, *node.args[1:], *sorted(node.kwargs.items()))
             if key in first:
                 duplicates.append((node, first[key]))
             else:

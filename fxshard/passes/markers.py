@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
+from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD, param_name
 
 # Dtype casts count as views here: they only change how the full weight is read.
 _CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
@@ -13,6 +14,21 @@ _CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_ele
 
 def is_unshard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (UNSHARD, torch.ops.fxshard.unshard)
+
+
+def is_seq_gather(node: fx.Node) -> bool:
+    """A sequenced read (see [Note: sequenced reads]): the runtime gathers."""
+    return node.op == "call_function" and node.target in (SEQ_GATHER, torch.ops.fxshard.seq_gather)
+
+
+def is_seq_grad(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (SEQ_GRAD, torch.ops.fxshard.seq_grad)
+
+
+def seq_param(node: fx.Node) -> str:
+    """The parameter a sequenced read or gradient belongs to."""
+    sequencer, index = (node.args[1], node.args[2]) if is_seq_gather(node) else (node.args[2], node.args[3])
+    return param_name(sequencer, index)
 
 
 def is_reduce(node: fx.Node) -> bool:

@@ -114,13 +114,6 @@ class FXShardBackend:
         self._policy = CheckpointPolicy.MUST_RECOMPUTE if spec.reshard_after_forward else CheckpointPolicy.MUST_SAVE
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        if not compat.CHECKPOINT_REGIONS_SUPPORTED and any(compat.is_checkpoint_region(n) for n in gm.graph.nodes):
-            raise NotImplementedError(
-                f"activation checkpointing inside an fxshard-compiled graph does not work on torch "
-                f"{torch.__version__}: AOTAutograd saves the DTensor's DeviceMesh for backward and fails. "
-                "Use torch 2.11 or 2.12, or train without activation checkpointing "
-                "(no torch.utils.checkpoint / gradient_checkpointing_enable())"
-            )
         record = GraphRecord(index=len(self.graphs))
         self.graphs.append(record)
         dumper = None

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import is_reduce, is_unshard
+from fxshard.passes.markers import is_reduce, is_seq_gather, is_seq_grad, is_unshard, seq_param
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class CollectiveSite:
     ``ready_after`` is the node that completes the gradient.
     """
 
-    kind: str  # "unshard" or "reduce"
+    kind: str  # "unshard" or "reduce"; "seq_read" or "seq_grad" hand over to the sequencer
     param: str
     node: str
     position: int
@@ -50,10 +50,14 @@ class GraphReport:
             f"{self.count('unshard')} all-gathers ({self.nbytes('unshard') / 2**20:.2f} MiB), "
             f"{self.count('reduce')} reduce-scatters ({self.nbytes('reduce') / 2**20:.2f} MiB)"
         )
+        if self.count("seq_read") or self.count("seq_grad"):
+            head += f"; {self.count('seq_read')} sequenced reads, {self.count('seq_grad')} sequenced gradients"
         rows = [f"  {'kind':8} {'param':40} {'at':>5} {'MiB':>8}  placement"]
         for s in self.sites:
             if s.kind == "unshard":
                 where = f"gather {s.node}; first use {s.first_use}; released after {s.last_use}"
+            elif s.kind.startswith("seq"):
+                where = f"{s.node}: the sequencer gathers (or takes the gradient), in plan order"
             else:
                 where = f"reduce {s.node}; after gradient {s.ready_after} is complete"
             rows.append(f"  {s.kind:8} {s.param:40} {s.position:>5} {s.nbytes / 2**20:>8.3f}  {where}")
@@ -76,6 +80,9 @@ def graph_report(gm: fx.GraphModule, phase: str) -> GraphReport:
             first, last = (users[0].name, users[-1].name) if users else ("-", "-")
             sites.append(CollectiveSite("unshard", op_arguments(node)["param"], node.name, index[node],
                                         node.args[0].name, first, last, _nbytes(node)))  # fmt: skip
+        elif is_seq_gather(node) or is_seq_grad(node):
+            kind = "seq_read" if is_seq_gather(node) else "seq_grad"
+            sites.append(CollectiveSite(kind, seq_param(node), node.name, index[node], "-", "-", "-", _nbytes(node)))
         elif is_reduce(node):
             grad = node.args[0]
             sites.append(CollectiveSite("reduce", op_arguments(node)["param"], node.name, index[node],

@@ -83,3 +83,11 @@ def reduce_to_shard(
         if grad.shape[0] != local_rows:
             grad = grad[:local_rows]
     return grad.to(out_dtype) if grad.dtype != out_dtype else grad
+
+
+def any_rank(flags: torch.Tensor, world_size: int, group_name: str) -> list[bool]:
+    """For each flag, whether it is set on any rank (one all-reduce; reads back to the host)."""
+    flags = flags.to(torch.int32)
+    if world_size > 1:
+        flags = _funcol.wait_tensor(_funcol.all_reduce(flags, "max", group_name))
+    return [bool(f) for f in flags.tolist()]

@@ -39,20 +39,56 @@ __all__ = [
     "detect_fake_mode",
     "inductor_config_patches",
     "inductor_decompositions",
+    "is_graph_break",
+    "graph_break_reason",
     "is_checkpoint_region",
     "make_boxed_func",
     "make_fx",
+    "queue_backward_callback",
     "skip_as_top_frame",
     "min_cut_rematerialization_partition",
 ]
 
 
-# torch 2.13 passes a DTensor's DeviceMesh into graphs as an opaque input.
-# Inside an activation-checkpoint region AOTAutograd then saves the mesh for
-# backward and fails at run time ("expected all tensors_saved_with_vc_check to
-# be Tensors"). Seen on 2.13 (CPU); torch 2.11 (GPU) trains such graphs
-# correctly. Version-gated because the failure only shows at run time.
-CHECKPOINT_REGIONS_SUPPORTED = TORCH_VERSION < (2, 13)
+# What dynamo raises for a graph break under fullgraph=True: an unsupported
+# construct, or Python control flow on tensor data (``.tolist()``, ``if x:``).
+# Under fullgraph=False dynamo turns each of these into a graph break.
+from torch._dynamo.exc import Unsupported as _Unsupported, UserError as _UserError  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
+
+from torch._dynamo.exc import BackendCompilerFailed as _BackendCompilerFailed  # noqa: E402
+from torch._subclasses.fake_tensor import (  # noqa: E402
+    DataDependentOutputException as _DataDependentOutput,
+    DynamicOutputShapeException as _DynamicOutputShape,
+)
+
+_GRAPH_BREAKS = (_Unsupported, _UserError, _DataDependent)
+# What the backend (AOTAutograd tracing with fake tensors) raises on an op
+# whose output depends on data; dynamo's fullgraph=False turns these into breaks.
+_BACKEND_BREAKS = (_UserError, _DataDependent, _DataDependentOutput, _DynamicOutputShape)
+
+
+def is_graph_break(error: BaseException) -> bool:
+    """Whether ``error``, raised by a fullgraph=True compile, is a graph break:
+    dynamo's own, or a data-dependent op that AOTAutograd met while tracing
+    (a custom op whose backward calls ``.tolist()``, say)."""
+    if isinstance(error, _BackendCompilerFailed):
+        error = getattr(error, "inner_exception", None) or error.__cause__
+        return isinstance(error, _BACKEND_BREAKS)
+    return isinstance(error, _GRAPH_BREAKS)
+
+
+def graph_break_reason(error: BaseException) -> str:
+    """The first line of what dynamo or AOTAutograd said."""
+    if isinstance(error, _BackendCompilerFailed):
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward pass ends (call from inside it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def is_checkpoint_region(node: Any) -> bool:

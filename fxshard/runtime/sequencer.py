@@ -1,0 +1,222 @@
+"""Sequenced reads: the same collectives on every rank, whatever the data does.
+
+[Note: sequenced reads]
+A model whose forward cannot be captured as one graph runs partly as eager
+Python between graphs. That Python may branch on data: an MoE layer that
+calls only the experts that received tokens reads a different set of
+parameters on each rank, and possibly in a different order. If gathers
+followed reads one to one, ranks would issue different collectives and hang,
+or pair the wrong buffers. So for such models every read goes through a
+``Sequencer``, which decides what is gathered, and when, from the plan alone:
+
+- Forward: one call of the root module gathers every parameter of the plan
+  exactly once, in plan order (registration order, identical on every rank).
+  A read of parameter ``k`` gathers, in order, every parameter up to ``k``
+  not gathered yet; when the call returns, the rest are gathered and dropped.
+  A parameter read again in the same call gets the tensor gathered first.
+  A call with grad keeps its gathered weights until its backward ends, so
+  activation checkpointing recomputes without gathering again.
+- Backward: each read returns its gradient to the sequencer, which sums the
+  gradients per (call, parameter). When the backward pass ends, every
+  trainable parameter of every call since the last backward is reduced, in
+  plan order, a zero gradient where this rank produced none. The reduced
+  shard is added to the DTensor parameter's ``.grad``.
+
+The sequence of collectives is then a function of the number of root calls
+and backward passes, never of the data. The price: gathered weights are kept
+until backward ends (no reshard) and reduces wait for the end of backward
+(no overlap), plus one small all-reduce and host sync per backward. Models captured as one graph do not take this path; their graphs
+hold their collectives (see fxshard/passes/README.md).
+
+The ops ``fxshard::seq_gather`` and ``fxshard::seq_grad`` are how compiled
+graphs call in. Their tensor argument is the root call's *anchor*, a one-element
+CPU tensor holding the call's number: it ties a gradient arriving in backward
+to the call whose forward gathered it, inside compiled graphs too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from fxshard.runtime import compat
+from fxshard.runtime.collectives import any_rank, gather_full, reduce_to_shard
+
+
+@dataclass(frozen=True)
+class SeqEntry:
+    """One parameter of the plan, as the sequencer sees it."""
+
+    name: str
+    dim0: int
+    local_rows: int
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype | None  # gather dtype; None keeps the shard's
+    reduce_dtype: torch.dtype | None
+    shard_dtype: torch.dtype
+    trainable: bool
+    local: Callable[[], torch.Tensor]  # this rank's shard, a plain tensor
+    add_grad: Callable[[torch.Tensor], None]  # accumulate a reduced shard gradient
+
+
+@dataclass
+class _Call:
+    id: int
+    grad: bool  # grad mode when the call began
+    next: int = 0  # plan index of the next gather
+    full: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+_SEQUENCERS: dict[int, "Sequencer"] = {}
+_ids = itertools.count()
+
+
+class Sequencer:
+    """Issues one model's gathers and reduces in plan order (see the Note)."""
+
+    def __init__(self, entries: Sequence[SeqEntry], world_size: int, group_name: str) -> None:
+        self.entries = tuple(entries)
+        self.world_size, self.group_name = world_size, group_name
+        self.id = next(_ids)
+        _SEQUENCERS[self.id] = self
+        self._calls = itertools.count()
+        self._current: _Call | None = None
+        self._pending: dict[int, _Call] = {}  # grad-mode calls whose reduces wait for backward
+        self._flush_queued = False
+        self.gathers = self.reduces = 0  # collectives issued, for tests and logs
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One call of the root module; yields (anchor, frozen anchor)."""
+        if self._current is not None:
+            raise RuntimeError("the fxshard model was called from inside its own forward")
+        call = _Call(next(self._calls), torch.is_grad_enabled())
+        anchor = torch.full((1,), float(call.id), dtype=torch.float64, requires_grad=call.grad)
+        frozen = torch.full((1,), float(call.id), dtype=torch.float64)
+        self._current = call
+        try:
+            yield anchor, frozen
+            self._gather_through(call, len(self.entries) - 1)  # only on success: see the Note
+        finally:
+            self._current = None
+        if call.grad and any(e.trainable for e in self.entries):
+            self._pending[call.id] = call  # keeps its weights for recomputes in backward
+        else:
+            call.full.clear()
+
+    def _gather_through(self, call: _Call, k: int) -> None:
+        while call.next <= k:
+            e = self.entries[call.next]
+            call.full[call.next] = gather_full(e.local(), e.dim0, self.world_size, self.group_name, e.dtype)
+            self.gathers += 1
+            call.next += 1
+
+    def read(self, call_id: int, k: int) -> torch.Tensor:
+        call = self._current
+        if call is not None and call.id == call_id:
+            self._gather_through(call, k)
+        else:  # a recompute in backward (activation checkpointing): the call's weights are kept
+            call = self._pending.get(call_id)
+            if call is None or k not in call.full:
+                raise RuntimeError(
+                    f"fxshard: parameter {self.entries[k].name!r} was read through a graph of call {call_id} "
+                    "after that call and its backward ended; read parameters inside model(...)"
+                )
+        full = call.full[k]
+        # With grad, the tensor is saved for backward and no compiler reuses its
+        # memory. Without, a compiled graph may reuse an output's memory after its
+        # last use: a later read must get its own copy.
+        return full.detach() if call.grad else full.clone()
+
+    def add_grad(self, call_id: int, k: int, grad: torch.Tensor) -> None:
+        call = self._pending.get(call_id)
+        if call is None:
+            raise RuntimeError(
+                f"fxshard: a gradient for {self.entries[k].name!r} arrived for a call whose backward already ran; "
+                "backward through one forward twice (retain_graph=True) is not supported"
+            )
+        e = self.entries[k]
+        dtype = e.reduce_dtype or grad.dtype
+        if k in call.grads:
+            call.grads[k] += grad.to(dtype)
+        else:
+            call.grads[k] = grad.to(dtype, copy=True)  # a compiled graph may reuse grad's memory
+        if not self._flush_queued:
+            compat.queue_backward_callback(self.flush)
+            self._flush_queued = True
+
+    def flush(self) -> None:
+        """Reduce every pending call's gradients, in plan order (see the Note)."""
+        self._flush_queued = False
+        trainable = [k for k, e in enumerate(self.entries) if e.trainable]
+        for call_id in sorted(self._pending):
+            call = self._pending.pop(call_id)
+            call.full.clear()
+            # Which parameters got a gradient on some rank: the others keep
+            # grad None, as in unsharded training (AdamW skips them).
+            got = any_rank(torch.tensor([k in call.grads for k in trainable], device=self.entries[0].local().device),
+                           self.world_size, self.group_name)  # fmt: skip
+            for k, anywhere in zip(trainable, got):
+                if not anywhere:
+                    continue
+                e = self.entries[k]
+                grad = call.grads.pop(k, None)
+                if grad is None:
+                    local = e.local()
+                    grad = local.new_zeros(e.full_shape, dtype=e.reduce_dtype or e.dtype or local.dtype)
+                shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name,
+                                        e.reduce_dtype, e.shard_dtype)  # fmt: skip
+                self.reduces += 1
+                e.add_grad(shard)
+
+
+def param_name(sequencer: int, index: int) -> str:
+    return _SEQUENCERS[sequencer].entries[index].name
+
+
+@torch.library.custom_op("fxshard::seq_gather", mutates_args=())
+def seq_gather(
+    anchor: torch.Tensor, sequencer: int, index: int, full_shape: list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The full parameter ``index``, gathered by the sequencer (see the Note)."""
+    return _SEQUENCERS[sequencer].read(int(anchor.item()), index)
+
+
+@seq_gather.register_fake
+def _seq_gather_fake(anchor, sequencer, index, full_shape, dtype, device):
+    return torch.empty(full_shape, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("fxshard::seq_grad", mutates_args=())
+def seq_grad(grad: torch.Tensor, anchor: torch.Tensor, sequencer: int, index: int) -> torch.Tensor:
+    """Hand the gradient of a sequenced read to the sequencer; returns the
+    anchor's (zero) gradient."""
+    _SEQUENCERS[sequencer].add_grad(int(anchor.item()), index, grad)
+    return torch.zeros_like(anchor)
+
+
+@seq_grad.register_fake
+def _seq_grad_fake(grad, anchor, sequencer, index):
+    return torch.empty_like(anchor)
+
+
+def _seq_gather_setup(ctx, inputs, output):
+    anchor, sequencer, index, *_ = inputs
+    ctx.save_for_backward(anchor)
+    ctx.key = (sequencer, index)
+
+
+def _seq_gather_backward(ctx, grad):
+    (anchor,) = ctx.saved_tensors
+    return (seq_grad(grad.contiguous(), anchor, *ctx.key), None, None, None, None, None)
+
+
+seq_gather.register_autograd(_seq_gather_backward, setup_context=_seq_gather_setup)
+
+SEQ_GATHER = torch.ops.fxshard.seq_gather.default
+SEQ_GRAD = torch.ops.fxshard.seq_grad.default

@@ -1,0 +1,127 @@
+"""The sequencer issues collectives in plan order, whatever the reads were.
+
+Single process: the collectives are recorded, not run, so two "ranks" that
+read different parameters in different orders can be compared directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxshard
+from fxshard.runtime import sequencer as seq_mod
+from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
+
+SHAPES = [(3, 2), (4,), (2, 2), (5, 1)]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    log: list[tuple[str, str]] = []
+
+    def gather(local, dim0, world_size, group_name, dtype):
+        log.append(("gather", group_name))
+        return local.clone()
+
+    def reduce(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype):
+        log.append(("reduce", group_name))
+        return grad.clone()
+
+    monkeypatch.setattr(seq_mod, "gather_full", gather)
+    monkeypatch.setattr(seq_mod, "reduce_to_shard", reduce)
+    monkeypatch.setattr(seq_mod, "any_rank", lambda flags, ws, group: [bool(f) for f in flags.tolist()])
+    return log
+
+
+def _sequencer(trainable=(True, True, True, True)) -> tuple[Sequencer, list[torch.Tensor], dict[int, torch.Tensor]]:
+    values = [torch.full(shape, float(i + 1)) for i, shape in enumerate(SHAPES)]
+    grads: dict[int, torch.Tensor] = {}
+    entries = []
+    for i, (shape, value) in enumerate(zip(SHAPES, values)):
+        entries.append(SeqEntry(
+            f"p{i}", shape[0], shape[0], shape, None, None, torch.float32, trainable[i],
+            local=lambda v=value: v, add_grad=lambda g, i=i: grads.__setitem__(i, grads.get(i, 0) + g),
+        ))  # fmt: skip
+    return Sequencer(entries, 1, "g"), values, grads
+
+
+def _step(seq: Sequencer, reads: list[int], backward: bool = True) -> list[torch.Tensor]:
+    with seq.call() as (anchor, frozen):
+        outs = [seq_gather(anchor, seq.id, k, list(SHAPES[k]), torch.float32, torch.device("cpu")) for k in reads]
+        loss = sum((o * (k + 1)).sum() for o, k in zip(outs, reads))
+    if backward:
+        loss.backward()
+    return outs
+
+
+def test_same_collectives_whatever_the_reads(recorded, monkeypatch):
+    """Two ranks read different parameters in different orders, one twice:
+    both gather every parameter once, in plan order, then reduce in plan order
+    every parameter that got a gradient on some rank (here: all of them)."""
+    monkeypatch.setattr(seq_mod, "any_rank", lambda flags, ws, group: [True] * len(flags))
+    logs = []
+    for reads in ([3, 1], [0, 2, 1, 3, 2]):
+        recorded.clear()
+        seq, values, grads = _sequencer()
+        outs = _step(seq, reads)
+        for out, k in zip(outs, reads):
+            torch.testing.assert_close(out, values[k])
+        logs.append((list(recorded), seq.gathers, seq.reduces))
+        for k in range(len(SHAPES)):  # each read's gradient, summed over repeated reads; zero if unread
+            torch.testing.assert_close(grads[k], torch.full(SHAPES[k], float((k + 1) * reads.count(k))))
+    assert logs[0] == logs[1]
+    assert logs[0][0] == [("gather", "g")] * 4 + [("reduce", "g")] * 4
+
+
+def test_no_gradient_anywhere_keeps_grad_none(recorded):
+    """A parameter no rank produced a gradient for is not reduced (AdamW then
+    skips it, as in unsharded training); frozen ones never are."""
+    seq, _, grads = _sequencer(trainable=(True, False, True, True))
+    _step(seq, [0, 1])
+    assert sorted(grads) == [0]
+    assert recorded.count(("reduce", "g")) == 1
+
+
+def test_no_grad_calls_reduce_nothing(recorded):
+    seq, values, grads = _sequencer()
+    with torch.no_grad():
+        outs = _step(seq, [2, 2], backward=False)
+    assert outs[0] is not outs[1] and outs[0].data_ptr() != outs[1].data_ptr()  # copies: see read()
+    assert recorded == [("gather", "g")] * 4 and not seq._pending
+
+
+class _Flag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.talk = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.talk:
+            print("", end="")  # a graph break, but only from the second call on
+        return self.lin(x)
+
+
+def test_graph_break_after_first_call_is_an_error(no_dist):
+    model = fxshard.compile(_Flag(), backend="aot_eager")
+    model(torch.randn(2, 3))
+    assert not model.fxshard_plan.sequenced
+    model.talk = True
+    with pytest.raises(NotImplementedError, match="graph break appeared after the first call"):
+        model(torch.randn(2, 3))
+
+
+def test_graph_break_on_first_call_sequences(no_dist):
+    model = _Flag()
+    model.talk = True
+    ref = nn.Linear(3, 3)
+    ref.load_state_dict(model.lin.state_dict())
+    fxshard.compile(model, backend="aot_eager")
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
+    assert model.fxshard_plan.sequenced
+    ref(x).sum().backward()
+    grad = dict(model.named_parameters())["lin.weight"].grad  # model.lin.weight is the gathered weight
+    torch.testing.assert_close(grad.full_tensor(), ref.weight.grad)
