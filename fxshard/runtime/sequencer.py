@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -72,7 +73,8 @@ class _Call:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-_SEQUENCERS: dict[int, "Sequencer"] = {}
+# Weak: a deleted model's sequencer (and, through its entries, its shards) must go.
+_SEQUENCERS: "weakref.WeakValueDictionary[int, Sequencer]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 

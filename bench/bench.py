@@ -1,0 +1,172 @@
+"""fxshard against FSDP2, side by side, in one run, on the same model and data.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 bench/bench.py --model 1b --out bench-1b.json
+
+Systems, each on the example's plain-PyTorch Llama (RMSNorm, RoPE, causal
+SDPA, SwiGLU, untied output), built from the same seed:
+- ``fxshard``: ``fxshard.compile(model, mesh, mp_policy=...)`` (Inductor);
+- ``fsdp2``: ``fully_shard`` on each block, then on the root;
+- ``fsdp2_compile``: each block ``torch.compile``d, then ``fully_shard`` on
+  each block and the root (torchtitan's order).
+All use bf16 compute, fp32 gradient reduction, fp32 master weights and
+``AdamW(fused=True)``; sequence length 2048; random tokens, the same per step
+and rank for every system. Timing follows ../shared/BENCHMARKS.md: the
+median step over ``--steps`` steps after ``--warmup``, GPU synchronized; the
+first step (compile included) separately; peak memory from
+``max_memory_allocated`` reset after the model is built and sharded.
+Rank 0 prints a table and writes JSON; ``bench/plot.py`` draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fxshard  # noqa: E402
+from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+
+SEQ = 2048
+# name: (config, batch per GPU, warm-up steps, timed steps); as in BENCHMARKS.md
+MODELS = {
+    "375m": (LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
+                         tie_embeddings=False), 4, 4, 12),  # fmt: skip
+    "1b": (LlamaConfig(vocab=32768, dim=2048, layers=16, heads=16, hidden=5632, max_len=SEQ,
+                       tie_embeddings=False), 2, 4, 12),  # fmt: skip
+    "8b": (LlamaConfig(vocab=128256, dim=4096, layers=32, heads=32, hidden=14336, max_len=SEQ,
+                       tie_embeddings=False), 1, 3, 8),  # fmt: skip
+}
+# A smoke test of this script on CPU: --model tiny --device cpu (gloo).
+MODELS["tiny"] = (LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False), 1, 1, 2)
+SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
+DEVICE = "cuda"
+
+
+def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = Llama(cfg)
+    if system == "fxshard":
+        return fxshard.compile(model, mesh, mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for i, block in enumerate(model.layers):
+        if system == "fsdp2_compile":
+            block = torch.compile(block)
+            model.layers.register_module(str(i), block)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def tokens_for(step: int, rank: int, batch: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (batch, SEQ), generator=gen).to(DEVICE)
+
+
+def run_system(system: str, name: str, mesh) -> dict:
+    cfg, batch, warmup, steps = MODELS[name]
+    rank = dist.get_rank()
+    model = build(system, cfg, mesh)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    batches = [tokens_for(s, rank, batch, cfg.vocab) for s in range(warmup + steps)]
+    sync()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for tokens in batches:
+        start = time.perf_counter()
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    step = statistics.median(times[warmup:])
+    tokens_per_gpu = batch * SEQ
+    flops = (6 * params + 6 * cfg.layers * SEQ * cfg.dim) * tokens_per_gpu
+    result = dict(
+        model=name, system=system, params=params, batch=batch, seq=SEQ, world_size=dist.get_world_size(),
+        step_ms=step * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / step, tflops_per_gpu=flops / step / 1e12,
+        peak_gib=peak / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
+        losses=losses, step_times_ms=[t * 1e3 for t in times],
+    )  # fmt: skip
+    del model, opt, batches, loss
+    gc.collect()
+    torch._dynamo.reset()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def table(results: list[dict]) -> str:
+    head = "| model | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | first step s | loss@10 |"
+    rows = [head, "|" + "---|" * 8]
+    for r in results:
+        rows.append(
+            f"| {r['model']} ({r['params'] / 1e9:.2f}B, batch {r['batch']}) | {r['system']} | {r['step_ms']:.1f} | "
+            f"{r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {r['peak_gib']:.2f} | "
+            f"{r['first_step_s']:.1f} | {r['loss_step10']:.4f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--out", default=None, help="JSON file (rank 0 writes it)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test with gloo")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    systems = args.systems.split(",")
+    if unknown := set(systems) - set(SYSTEMS):
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    results = []
+    for system in systems:
+        results.append(run_system(system, args.model, mesh))
+        if dist.get_rank() == 0:
+            print(table(results[-1:]), flush=True)
+    if dist.get_rank() == 0:
+        cuda = DEVICE == "cuda"
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=dist.get_world_size(),
+                    torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+                    precision="bf16 compute, fp32 reduce",
+                    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))  # fmt: skip
+        print(table(results))
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
