@@ -53,12 +53,16 @@ SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
 DEVICE = "cuda"
 
 
+FXSHARD_KWARGS: dict = {}
+
+
 def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Llama(cfg)
     if system == "fxshard":
-        return fxshard.compile(model, mesh, mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32))
+        mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
+        return fxshard.compile(model, mesh, mp_policy=mp, **FXSHARD_KWARGS)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -137,9 +141,14 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", default=None, help="JSON file (rank 0 writes it)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test with gloo")
+    parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
+    parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):
+        if value is not None:
+            FXSHARD_KWARGS[key] = value
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
         parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
@@ -161,7 +170,7 @@ def main() -> None:
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=dist.get_world_size(),
                     torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
                     precision="bf16 compute, fp32 reduce",
-                    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))  # fmt: skip
+                    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS)  # fmt: skip
         print(table(results))
         if args.out:
             Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))

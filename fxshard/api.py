@@ -126,6 +126,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecision | None = None,
     backend: str = "inductor",
+    prefetch: int = 1,
+    unit_mb: float = 256,
     debug_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
@@ -142,6 +144,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     - ``mp_policy``: ``fxshard.MixedPrecision``.
     - ``backend``: "inductor" or "aot_eager", the compiler run after fxshard's
       passes; "eager" compiles nothing and gathers on every access (debugging).
+    - ``prefetch``: how many units of gathers run ahead of the unit computing
+      (0: each gather waits where its weight is first used).
+    - ``unit_mb``: the size target of a unit, in MiB of gathered weights. Units
+      are formed from each compiled graph: parameters in order of first use.
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
     """
     _check_model(model)
@@ -151,6 +157,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         mp_policy = MixedPrecision()
     elif not isinstance(mp_policy, MixedPrecision):
         raise ValueError(f"mp_policy must be fxshard.MixedPrecision or None, got {type(mp_policy).__name__}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
+    if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:
+        raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     mesh = _resolve_mesh(model, mesh)
@@ -160,7 +170,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     graphs: list[GraphRecord] = []
     if backend != "eager":
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
-                           mesh.get_group().group_name, debug_dir)  # fmt: skip
+                           mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch)  # fmt: skip
         compiled = FXShardBackend(spec)
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].

@@ -154,3 +154,57 @@ def test_dedupe_keeps_side_effecting_nodes_without_users():
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(UNSHARD) == 1 and targets.count("to_local") == 1
     assert torch._C._functorch._vmap_decrement_nesting in targets
+
+
+def _positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _gathers_by_wait(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    pos = _positions(gm)
+    pairs = [(g, next(iter(g.users))) for g in _nodes(gm, AG)]
+    return sorted(pairs, key=lambda p: pos[p[1]])
+
+
+def test_prefetch_issues_next_unit_before_waiting(fake_pg):
+    """With one parameter per unit (a tiny unit_mb), each all-gather is issued
+    before the previous one is waited on, in forward and backward; with
+    prefetch=0 each waits before the next is issued."""
+    for prefetch in (0, 1, 2):
+        torch._dynamo.reset()
+        record = _train_once(models.TinyLlama(), prefetch=prefetch, unit_mb=1e-6)
+        for gm in (record.forward, record.backward):
+            pos, pairs = _positions(gm), _gathers_by_wait(gm)
+            assert len(pairs) > 3
+            for k in range(max(prefetch, 1), len(pairs)):
+                gather, _ = pairs[k]
+                _, wait_before = pairs[k - prefetch] if prefetch else pairs[k - 1]
+                if prefetch:  # issued before unit k - prefetch is waited on
+                    assert pos[gather] < pos[wait_before], (prefetch, k)
+                else:  # issued only after unit k - 1 was waited on
+                    assert pos[gather] > pos[wait_before], (prefetch, k)
+        assert record.schedules["forward"].prefetch == prefetch
+
+
+def test_units_follow_first_use_and_size_target(fake_pg):
+    record = _train_once(models.TinyLlama(), unit_mb=1e-6)
+    one_per_param = record.schedules["forward"]
+    assert all(len(u) == 1 for u in one_per_param.units)
+    torch._dynamo.reset()
+    record = _train_once(models.TinyLlama())  # 256 MiB: the whole model is one unit
+    assert len(record.schedules["forward"].units) == 1
+    assert sum(map(len, record.schedules["forward"].units)) == len(one_per_param.units)
+
+
+def test_reduce_waits_deferred(fake_pg):
+    """At most two reduce-scatters are in flight: the wait of reduce i comes
+    after reduce i+1 is issued, and before reduce i+2."""
+    record = _train_once(models.TinyLlama())
+    bw = record.backward
+    pos = _positions(bw)
+    reduces = _nodes(bw, RS)
+    assert len(reduces) > 4
+    for i, rs in enumerate(reduces):
+        (wait,) = rs.users
+        if i + 1 < len(reduces):
+            assert pos[reduces[i + 1]] < pos[wait] < (pos[reduces[i + 2]] if i + 2 < len(reduces) else len(pos))

@@ -4,8 +4,9 @@ One captured graph goes through three stages (see passes/README.md):
 1. captured graph: ``dedupe_unshard``;
 2. joint graph (inside AOTAutograd): ``tag_unshard``, then torch's min-cut
    partitioner splits it into forward and backward;
-3. forward, backward and inference graphs: ``lower_collectives``; then
-   Inductor (``compile_fx_inner``) or nothing (``aot_eager``).
+3. forward, backward and inference graphs: ``lower_collectives``, then
+   ``schedule_collectives`` (prefetch); then Inductor (``compile_fx_inner``)
+   or nothing (``aot_eager``).
 
 Inductor keeps its own AOTAutograd setup, joint passes and partitioner: fxshard
 plugs in through ``compile_fx``'s ``inner_compile`` hook and a scoped
@@ -32,6 +33,7 @@ from fxshard.passes.lower import lower_collectives_pass
 from fxshard.passes.markers import full_weight_views, is_unshard
 from fxshard.passes.report import GraphReport, graph_report
 from fxshard.passes.runner import GraphPass, run_passes
+from fxshard.passes.schedule import Schedule, schedule_collectives_pass
 from fxshard.passes.tagging import tag_unshard_pass
 from fxshard.runtime import compat
 
@@ -50,6 +52,8 @@ class BackendSpec:
     world_size: int
     group_name: str
     debug_dir: str | None
+    unit_bytes: int = 256 * 2**20  # prefetch units: about this many bytes of gathered weights
+    prefetch: int = 1  # units gathered ahead of the one computing; 0 waits in place
 
 
 @dataclass
@@ -68,12 +72,16 @@ class GraphRecord:
     backward: fx.GraphModule | None = None
     inference: fx.GraphModule | None = None
     reports: dict[str, GraphReport] = field(default_factory=dict)
+    schedules: dict[str, Schedule] = field(default_factory=dict)
     full_weights_in_forward: frozenset[str] = frozenset()
     saved_full_weights: tuple[str, ...] | None = None  # known once the backward is compiled
 
     def summary(self) -> str:
         parts = [f"graph {self.index}"]
-        parts += [report.format() for report in self.reports.values()]
+        for phase, report in self.reports.items():
+            parts.append(report.format())
+            if phase in self.schedules:
+                parts.append(f"[{phase} schedule] " + self.schedules[phase].format())
         if self.saved_full_weights is not None:
             saved = ", ".join(self.saved_full_weights) or "none"
             parts.append(f"full weights saved from forward for backward: {saved}\n")
@@ -151,7 +159,13 @@ class FXShardBackend:
         self._note_saved_full_weights(record, phase, gm)
         decompositions = compat.inductor_decompositions() if self.spec.compiler == "inductor" else None
         lower = functools.partial(lower_collectives_pass, decompositions=decompositions)
-        gm = run_passes(gm, example_inputs, [GraphPass("lower_collectives", lower)], phase=phase, dumper=dumper)
+        schedules: list[Schedule] = []
+        schedule = functools.partial(schedule_collectives_pass, unit_bytes=self.spec.unit_bytes,
+                                     prefetch=self.spec.prefetch, record=schedules)  # fmt: skip
+        passes = [GraphPass("lower_collectives", lower), GraphPass("schedule_collectives", schedule)]
+        gm = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
+        if schedules:
+            record.schedules[phase] = schedules[0]
         setattr(record, phase, gm)
         if dumper:
             dumper.text("summary.txt", record.summary())

@@ -1,0 +1,157 @@
+"""Schedule the lowered collectives: prefetch gathers, defer reduce waits.
+
+[Note: prefetch by units]
+After lowering, each all-gather sits right before its wait, and each wait
+right before the gathered weight's first use: compute stalls on every
+gather. This pass moves collectives, never compute:
+
+- Units. The gathers, in the order of their waits (the order of first use),
+  are grouped into units of about ``unit_bytes`` of gathered weights. A
+  parameter's unit follows from the graph alone, so it is the same on every
+  rank.
+- Prefetch. Unit ``u``'s all-gathers (with the casts and pads that feed them,
+  which read only graph inputs) move to just before the first wait of unit
+  ``u - prefetch``: they run while that unit computes. Units within the
+  first ``prefetch`` are issued at the start of the graph.
+- Deferred reduce waits. A reduce-scatter's wait (and the slicing and cast
+  after it, which only feed the graph's outputs) moves to just before the
+  reduce-scatter issued ``max_reduces_in_flight`` later, or to the end: the
+  backward does not stall on it, and at most that many reduce inputs are alive.
+
+Collectives keep their relative order within each kind, and the pass is a
+function of the graph, so every rank issues the same collectives in the same
+order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+_funcol = torch.ops._c10d_functional
+_ALL_GATHER = _funcol.all_gather_into_tensor.default
+_REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
+_WAIT = _funcol.wait_tensor.default
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the pass did to one graph, for the summary."""
+
+    units: tuple[tuple[str, ...], ...]  # all-gather node names per unit, in order
+    prefetch: int
+    deferred_reduces: int
+
+    def format(self) -> str:
+        lines = [f"prefetch depth {self.prefetch}; {len(self.units)} units; {self.deferred_reduces} reduce waits deferred"]
+        lines += [f"  unit {i}: {len(u)} all-gathers ({', '.join(u[:4])}{', ...' if len(u) > 4 else ''})"
+                  for i, u in enumerate(self.units)]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+
+def _wait_of(node: fx.Node) -> fx.Node | None:
+    waits = [u for u in node.users if u.target == _WAIT]
+    return waits[0] if len(waits) == 1 else None
+
+
+def _input_chain(node: fx.Node) -> list[fx.Node] | None:
+    """``node``'s ancestors up to graph inputs, in graph order; None if any
+    ancestor is something other than a pure op on graph inputs."""
+    found: set[fx.Node] = set()
+    frontier = [a for a in node.all_input_nodes]
+    while frontier:
+        n = frontier.pop()
+        if n in found or n.op == "placeholder" or n.op == "get_attr":
+            continue
+        if n.op != "call_function" or n.target in (_WAIT, _ALL_GATHER, _REDUCE_SCATTER):
+            return None
+        found.add(n)
+        frontier.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_reduces_in_flight: int) -> Schedule:
+    gathers = [n for n in graph.nodes if n.target == _ALL_GATHER and _wait_of(n) is not None]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    gathers.sort(key=lambda g: order[_wait_of(g)])
+    units: list[list[fx.Node]] = []
+    size = unit_bytes
+    for g in gathers:
+        if size >= unit_bytes:
+            units.append([])
+            size = 0
+        units[-1].append(g)
+        size += _nbytes(g)
+
+    if prefetch > 0:
+        moves = [[(g, _input_chain(g)) for g in unit] for unit in units]
+        early = {n for unit in moves[:prefetch] for g, chain in unit if chain is not None for n in (*chain, g)}
+        start = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and n not in early)
+        for u, unit in enumerate(moves):
+            anchor = start if u < prefetch else _wait_of(units[u - prefetch][0])
+            for g, chain in unit:
+                if chain is None:
+                    continue
+                for n in [*chain, g]:
+                    if n is not anchor:
+                        anchor.prepend(n)
+
+    deferred = 0
+    reduces = [n for n in graph.nodes if n.target == _REDUCE_SCATTER and _wait_of(n) is not None]
+    output = next(n for n in graph.nodes if n.op == "output")
+    for i, rs in enumerate(reduces):
+        anchor = reduces[i + max_reduces_in_flight] if i + max_reduces_in_flight < len(reduces) else output
+        chain = _output_chain(_wait_of(rs), output, anchor)
+        if chain is None:
+            continue
+        for n in chain:
+            anchor.prepend(n)
+        deferred += 1
+    graph.lint()
+    return Schedule(tuple(tuple(g.name for g in unit) for unit in units), prefetch, deferred)
+
+
+def _output_chain(wait: fx.Node, output: fx.Node, anchor: fx.Node) -> list[fx.Node] | None:
+    """``wait`` and everything computed from it, in graph order, if all of it
+    only feeds the graph's output and can move to just before ``anchor``."""
+    found, frontier = {wait}, [wait]
+    while frontier:
+        for user in frontier.pop().users:
+            if user is output or user in found:
+                continue
+            if user.op != "call_function" or user.target in (_ALL_GATHER, _REDUCE_SCATTER, _WAIT):
+                return None
+            found.add(user)
+            frontier.append(user)
+    order = {n: i for i, n in enumerate(wait.graph.nodes)}
+    if any(order[a] >= order[anchor] for n in found for a in n.all_input_nodes if a not in found):
+        return None
+    return sorted(found, key=order.__getitem__)
+
+
+def schedule_collectives_pass(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    unit_bytes: int,
+    prefetch: int,
+    max_reduces_in_flight: int = 2,
+    record: list | None = None,
+) -> fx.GraphModule:
+    """Matches lowered ``_c10d_functional`` all-gathers and reduce-scatters
+    with their waits; moves them (see [Note: prefetch by units]). Does nothing
+    on a graph without collectives."""
+    schedule = schedule_collectives(gm.graph, unit_bytes, prefetch, max_reduces_in_flight)
+    if record is not None:
+        record.append(schedule)
+    gm.recompile()
+    return gm
