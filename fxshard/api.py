@@ -166,7 +166,12 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
 
-    params, state = shard_parameters(model, mesh, mp_policy, sequenced=backend == "eager")
+    # Reduce-scatters get their own communicator (its own NCCL stream), so
+    # they overlap the all-gathers of backward. Every rank calls compile, so
+    # every rank creates it.
+    reduce_group = mesh.get_group() if mesh.size() == 1 else dist.new_group(dist.get_process_group_ranks(mesh.get_group()))
+    params, state = shard_parameters(model, mesh, mp_policy, sequenced=backend == "eager",
+                                     reduce_group_name=reduce_group.group_name)  # fmt: skip
     graphs: list[GraphRecord] = []
     if backend != "eager":
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),

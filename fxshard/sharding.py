@@ -83,6 +83,7 @@ class ParamShard:
     dim0: int
     world_size: int
     group_name: str
+    reduce_group_name: str  # same ranks, another communicator (see fxshard::unshard)
     dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
     reduce_dtype: torch.dtype | None
     requires_grad: bool
@@ -92,7 +93,8 @@ class ParamShard:
 
 
 def _gather(local: torch.Tensor, spec: ParamShard) -> torch.Tensor:
-    return unshard(local, spec.dim0, spec.world_size, spec.group_name, spec.fqn, spec.dtype, spec.reduce_dtype)
+    return unshard(local, spec.dim0, spec.world_size, spec.group_name, spec.reduce_group_name, spec.fqn, spec.dtype,
+                   spec.reduce_dtype)  # fmt: skip
 
 
 class _ToLocal(torch.autograd.Function):
@@ -255,7 +257,7 @@ def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> nn.P
 
 
 def shard_parameters(
-    model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision, sequenced: bool
+    model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision, sequenced: bool, reduce_group_name: str
 ) -> tuple[tuple[ParamShard, ...], RootState]:
     """Shard every parameter of ``model`` in place; return the plan of each
     and the root's state. ``sequenced`` starts with sequenced reads (eager runs).
@@ -276,7 +278,8 @@ def shard_parameters(
                 fqn = f"{mod_name}.{attr}" if mod_name else attr
                 dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
                 specs[id(param)] = ParamShard(
-                    fqn, param.shape[0], mesh.size(), mesh.get_group().group_name, dtype, mp.reduce_dtype,
+                    fqn, param.shape[0], mesh.size(), mesh.get_group().group_name, reduce_group_name, dtype,
+                    mp.reduce_dtype,
                     param.requires_grad, tuple(param.shape), param.dtype, param.device,
                 )  # fmt: skip
 

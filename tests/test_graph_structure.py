@@ -147,7 +147,7 @@ def test_dedupe_keeps_side_effecting_nodes_without_users():
     reads = []
     for _ in range(2):
         local = graph.call_method("to_local", (param,))
-        reads.append(graph.call_function(UNSHARD, (local, 8, 2, "0", "w", None, None)))
+        reads.append(graph.call_function(UNSHARD, (local, 8, 2, "0", "1", "w", None, None)))
     graph.call_function(torch._C._functorch._vmap_decrement_nesting, ())  # impure, no users
     graph.output(graph.call_function(torch.ops.aten.add.Tensor, tuple(reads)))
     gm = dedupe_unshard_pass(fx.GraphModule(nn.Module(), graph), ())
@@ -208,3 +208,12 @@ def test_reduce_waits_deferred(fake_pg):
         (wait,) = rs.users
         if i + 1 < len(reduces):
             assert pos[reduces[i + 1]] < pos[wait] < (pos[reduces[i + 2]] if i + 2 < len(reduces) else len(pos))
+
+
+def test_reduces_on_their_own_group(fake_pg):
+    """Reduce-scatters use a second communicator over the same ranks, so they
+    can overlap the backward's all-gathers."""
+    record = _train_once(models.TinyLlama())
+    gather_groups = {n.args[-1] for n in _nodes(record.backward, AG)}
+    reduce_groups = {n.args[-1] for n in _nodes(record.backward, RS)}
+    assert len(gather_groups) == len(reduce_groups) == 1 and gather_groups != reduce_groups

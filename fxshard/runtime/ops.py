@@ -29,16 +29,19 @@ def unshard(
     dim0: int,
     world_size: int,
     group_name: str,
+    reduce_group_name: str,
     param: str,
     dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """All-gather ``shard`` into the full parameter ``param`` (see the Note)."""
+    """All-gather ``shard`` into the full parameter ``param`` (see the Note).
+    The gradient is reduced on ``reduce_group_name``: the same ranks as
+    ``group_name``, another communicator, so that reduces overlap gathers."""
     return _no_alias(gather_full(shard, dim0, world_size, group_name, dtype), shard)
 
 
 @unshard.register_fake
-def _unshard_fake(shard, dim0, world_size, group_name, param, dtype, reduce_dtype):
+def _unshard_fake(shard, dim0, world_size, group_name, reduce_group_name, param, dtype, reduce_dtype):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=dtype or shard.dtype)
 
 
@@ -62,12 +65,12 @@ def _reduce_grad_fake(grad, local_rows, world_size, group_name, param, reduce_dt
 
 
 def _unshard_setup(ctx, inputs, output):
-    shard, _, world_size, group_name, param, _, reduce_dtype = inputs
-    ctx.spec = (shard.shape[0], world_size, group_name, param, reduce_dtype, shard.dtype)
+    shard, _, world_size, _, reduce_group_name, param, _, reduce_dtype = inputs
+    ctx.spec = (shard.shape[0], world_size, reduce_group_name, param, reduce_dtype, shard.dtype)
 
 
 def _unshard_backward(ctx, grad):
-    return (reduce_grad(grad.contiguous(), *ctx.spec), None, None, None, None, None, None)
+    return (reduce_grad(grad.contiguous(), *ctx.spec), None, None, None, None, None, None, None)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
