@@ -174,6 +174,12 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                                      reduce_group_name=reduce_group.group_name)  # fmt: skip
     graphs: list[GraphRecord] = []
     if backend != "eager":
+        if prefetch and "gloo" in str(dist.get_backend(mesh.get_group())):
+            # Several all-gathers in flight on one gloo group crashed (SIGSEGV)
+            # intermittently in the CPU example under Inductor; until that is
+            # understood, gloo runs wait in place. NCCL prefetches.
+            log.warning("fxshard: prefetch=%d is not used with gloo; collectives wait in place", prefetch)
+            prefetch = 0
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch)  # fmt: skip
         compiled = FXShardBackend(spec)

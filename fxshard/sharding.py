@@ -182,7 +182,7 @@ def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) ->
     def get(module: nn.Module) -> torch.Tensor:
         table = module._fxshard_locals
         if ANCHOR in table:  # sequenced reads (see [Note: two ways to read])
-            anchor = table[ANCHOR] if spec.requires_grad else table[FROZEN_ANCHOR]
+            anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
         # Inside a root call the local comes from the table; outside one (a
         # submodule called directly, a read after training), from the DTensor.
@@ -317,5 +317,8 @@ def _seq_entry(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh)
             param.grad.to_local().add_(grad)
 
     start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+    def trainable() -> bool:
+        return module._parameters[attr].requires_grad
+
     return SeqEntry(spec.fqn, spec.dim0, end - start, spec.shape, spec.dtype, spec.reduce_dtype, spec.shard_dtype,
-                    spec.requires_grad, local, add_grad)  # fmt: skip
+                    trainable, local, add_grad)  # fmt: skip

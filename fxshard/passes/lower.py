@@ -14,6 +14,7 @@ from fxshard.runtime import compat
 from fxshard.runtime.collectives import gather_full, reduce_to_shard
 
 _COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
+LOWERED = "fxshard_lowered"  # node.meta key on every node lowering inserts
 
 
 def op_arguments(node: fx.Node) -> dict[str, Any]:
@@ -76,6 +77,7 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
             else:
                 new = graph.node_copy(sub, lambda n: env[n])
                 new.meta = {k: node.meta[k] for k in _COPIED_META if k in node.meta}
+                new.meta[LOWERED] = True  # what schedule_collectives may move
                 new.meta["val"] = _fake_value(new.target, new.args, new.kwargs, fake_mode)
                 env[sub] = new
     node.replace_all_uses_with(result)

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.passes.lower import LOWERED
+
 _funcol = torch.ops._c10d_functional
 _ALL_GATHER = _funcol.all_gather_into_tensor.default
 _REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
@@ -58,15 +60,15 @@ def _wait_of(node: fx.Node) -> fx.Node | None:
 
 
 def _input_chain(node: fx.Node) -> list[fx.Node] | None:
-    """``node``'s ancestors up to graph inputs, in graph order; None if any
-    ancestor is something other than a pure op on graph inputs."""
+    """``node``'s ancestors up to graph inputs, in graph order; None unless
+    every one was inserted by lowering (casts and pads of a shard)."""
     found: set[fx.Node] = set()
     frontier = [a for a in node.all_input_nodes]
     while frontier:
         n = frontier.pop()
         if n in found or n.op == "placeholder" or n.op == "get_attr":
             continue
-        if n.op != "call_function" or n.target in (_WAIT, _ALL_GATHER, _REDUCE_SCATTER):
+        if n.op != "call_function" or not n.meta.get(LOWERED) or n.target in (_WAIT, _ALL_GATHER, _REDUCE_SCATTER):
             return None
         found.add(n)
         frontier.extend(n.all_input_nodes)
@@ -80,7 +82,7 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_reduces_in_flight: int) -> Schedule:
-    gathers = [n for n in graph.nodes if n.target == _ALL_GATHER and _wait_of(n) is not None]
+    gathers = [n for n in graph.nodes if n.target == _ALL_GATHER and n.meta.get(LOWERED) and _wait_of(n) is not None]
     order = {n: i for i, n in enumerate(graph.nodes)}
     gathers.sort(key=lambda g: order[_wait_of(g)])
     units: list[list[fx.Node]] = []
@@ -98,15 +100,16 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
         start = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and n not in early)
         for u, unit in enumerate(moves):
             anchor = start if u < prefetch else _wait_of(units[u - prefetch][0])
+            pos = {n: i for i, n in enumerate(graph.nodes)}
             for g, chain in unit:
                 if chain is None:
                     continue
                 for n in [*chain, g]:
-                    if n is not anchor:
+                    if pos[n] > pos[anchor]:  # only ever earlier: users stay after
                         anchor.prepend(n)
 
     deferred = 0
-    reduces = [n for n in graph.nodes if n.target == _REDUCE_SCATTER and _wait_of(n) is not None]
+    reduces = [n for n in graph.nodes if n.target == _REDUCE_SCATTER and n.meta.get(LOWERED) and _wait_of(n) is not None]
     output = next(n for n in graph.nodes if n.op == "output")
     for i, rs in enumerate(reduces):
         anchor = reduces[i + max_reduces_in_flight] if i + max_reduces_in_flight < len(reduces) else output

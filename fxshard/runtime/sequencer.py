@@ -59,7 +59,7 @@ class SeqEntry:
     dtype: torch.dtype | None  # gather dtype; None keeps the shard's
     reduce_dtype: torch.dtype | None
     shard_dtype: torch.dtype
-    trainable: bool
+    trainable: Callable[[], bool]  # the parameter's requires_grad now (users may freeze later)
     local: Callable[[], torch.Tensor]  # this rank's shard, a plain tensor
     add_grad: Callable[[torch.Tensor], None]  # accumulate a reduced shard gradient
 
@@ -106,7 +106,7 @@ class Sequencer:
             self._gather_through(call, len(self.entries) - 1)  # only on success: see the Note
         finally:
             self._current = None
-        if call.grad and any(e.trainable for e in self.entries):
+        if call.grad and any(e.trainable() for e in self.entries):
             self._pending[call.id] = call  # keeps its weights for recomputes in backward
         else:
             call.full.clear()
@@ -129,11 +129,10 @@ class Sequencer:
                     f"fxshard: parameter {self.entries[k].name!r} was read through a graph of call {call_id} "
                     "after that call and its backward ended; read parameters inside model(...)"
                 )
-        full = call.full[k]
-        # With grad, the tensor is saved for backward and no compiler reuses its
-        # memory. Without, a compiled graph may reuse an output's memory after its
-        # last use: a later read must get its own copy.
-        return full.detach() if call.grad else full.clone()
+        # Always a copy: a compiled graph may write into an op's output or reuse
+        # its memory after the last use, and the kept tensor must stay intact
+        # for later reads and recomputes (at world size 1 it is the shard itself).
+        return call.full[k].clone()
 
     def add_grad(self, call_id: int, k: int, grad: torch.Tensor) -> None:
         call = self._pending.get(call_id)
@@ -155,7 +154,7 @@ class Sequencer:
     def flush(self) -> None:
         """Reduce every pending call's gradients, in plan order (see the Note)."""
         self._flush_queued = False
-        trainable = [k for k, e in enumerate(self.entries) if e.trainable]
+        trainable = [k for k, e in enumerate(self.entries) if e.trainable()]
         for call_id in sorted(self._pending):
             call = self._pending.pop(call_id)
             call.full.clear()
