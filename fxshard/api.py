@@ -175,9 +175,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     graphs: list[GraphRecord] = []
     if backend != "eager":
         if prefetch and "gloo" in str(dist.get_backend(mesh.get_group())):
-            # Several all-gathers in flight on one gloo group crashed (SIGSEGV)
-            # intermittently in the CPU example under Inductor; until that is
-            # understood, gloo runs wait in place. NCCL prefetches.
+            # Several all-gathers in flight on one gloo group crashed (SIGSEGV,
+            # heap corruption) intermittently in the CPU example, under Inductor
+            # and aot_eager. Likely: the gather's temporary input is released
+            # before its wait. Until fixed, gloo waits in place (README, Known gaps).
             log.warning("fxshard: prefetch=%d is not used with gloo; collectives wait in place", prefetch)
             prefetch = 0
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
