@@ -123,17 +123,15 @@ class LocalShards:
     refreshes at the start of every call of the root module and empties after.
     """
 
-    def __init__(self, owners: list[tuple[nn.Module, str]]) -> None:
-        self._owners = owners  # (module, attribute), one per distinct parameter
-        self._tables: list[dict[str, torch.Tensor]] = []
-        for module, _ in owners:
-            if "_fxshard_locals" not in module.__dict__:
-                module.__dict__["_fxshard_locals"] = {}
-                self._tables.append(module.__dict__["_fxshard_locals"])
+    def __init__(self, owners: list[list[tuple[nn.Module, str]]]) -> None:
+        self._owners = owners  # per distinct parameter, every (module, attribute) holding it
+        self._modules = list({id(m): m for pairs in owners for m, _ in pairs}.values())
+        for module in self._modules:
+            module.__dict__["_fxshard_locals"] = {}
 
     def _params(self) -> list[DTensor]:
         params = []
-        for module, attr in self._owners:
+        for (module, attr), *_ in self._owners:
             param = module._parameters.get(attr)
             if not isinstance(param, DTensor):
                 raise ValueError(
@@ -145,7 +143,17 @@ class LocalShards:
         return params
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
+    def _filled(self, values: dict[tuple[nn.Module, str], torch.Tensor]) -> Iterator[None]:
+        for (module, key), value in values.items():
+            module.__dict__["_fxshard_locals"][key] = value
+        try:
+            yield
+        finally:
+            for module in self._modules:
+                module.__dict__["_fxshard_locals"].clear()
+
+    def scope(self) -> contextlib.AbstractContextManager[None]:
+        """The local shards, for the duration of one call."""
         params = self._params()
         trained = [i for i, p in enumerate(params) if p.requires_grad]
         locals_: list[torch.Tensor | None] = [None] * len(params)
@@ -155,25 +163,12 @@ class LocalShards:
         for i, p in enumerate(params):
             if locals_[i] is None:
                 locals_[i] = p.to_local().detach()
-        tied: dict[int, torch.Tensor] = {}
-        for (module, attr), p, local in zip(self._owners, params, locals_):
-            tied.setdefault(id(p), local)
-            module.__dict__["_fxshard_locals"][attr] = tied[id(p)]
-        try:
-            yield
-        finally:
-            for table in self._tables:
-                table.clear()
+        return self._filled({pair: local for pairs, local in zip(self._owners, locals_) for pair in pairs})
 
-    @contextlib.contextmanager
-    def anchors(self, anchor: torch.Tensor, frozen: torch.Tensor) -> Iterator[None]:
-        for table in self._tables:
-            table[ANCHOR], table[FROZEN_ANCHOR] = anchor, frozen
-        try:
-            yield
-        finally:
-            for table in self._tables:
-                table.clear()
+    def anchors(self, anchor: torch.Tensor, frozen: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        """The sequencer's anchors, for the duration of one sequenced call."""
+        return self._filled({(m, key): value for m in self._modules
+                             for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
 def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) -> property:
@@ -236,7 +231,7 @@ def _root_methods(base: type, state: RootState) -> dict[str, object]:
     def __call__(self, *args, **kwargs):
         return state.call(self, base, args, kwargs)
 
-    return {"forward": forward, "__call__": __call__, "fxshard_root_state": property(lambda self: state)}
+    return {"forward": forward, "__call__": __call__}
 
 
 def _swap_class(module: nn.Module, properties: dict[str, property], state: RootState | None) -> None:
@@ -279,8 +274,7 @@ def shard_parameters(
                 dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
                 specs[id(param)] = ParamShard(
                     fqn, param.shape[0], mesh.size(), mesh.get_group().group_name, reduce_group_name, dtype,
-                    mp.reduce_dtype,
-                    param.requires_grad, tuple(param.shape), param.dtype, param.device,
+                    mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, param.device,
                 )  # fmt: skip
 
     per_module: dict[nn.Module, dict[str, ParamShard]] = {}
@@ -296,7 +290,7 @@ def shard_parameters(
     per_module.setdefault(model, {})
     index = {spec.fqn: i for i, spec in enumerate(specs.values())}
     sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
-    shards = LocalShards([(mod, attr) for mod, attrs in per_module.items() for attr in attrs])
+    shards = LocalShards(list(owners.values()))
     state = RootState(shards, sequencer, sequenced)
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}

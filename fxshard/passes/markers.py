@@ -35,6 +35,12 @@ def is_reduce(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (REDUCE_GRAD, torch.ops.fxshard.reduce_grad)
 
 
+def nbytes(node: fx.Node) -> int:
+    """Bytes of the tensor a node produces (0 when unknown)."""
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
 def is_view_like(node: fx.Node) -> bool:
     """An op whose output is a view or a cast of its first argument alone."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

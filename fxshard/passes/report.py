@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import is_reduce, is_seq_gather, is_seq_grad, is_unshard, seq_param
+from fxshard.passes.markers import is_reduce, is_seq_gather, is_seq_grad, is_unshard, nbytes, seq_param
 
 
 @dataclass(frozen=True)
@@ -64,11 +63,6 @@ class GraphReport:
         return "\n".join([head, *rows]) + "\n"
 
 
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 def graph_report(gm: fx.GraphModule, phase: str) -> GraphReport:
     """Analyse a graph that still has its marker ops (before lowering)."""
     order = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -79,12 +73,12 @@ def graph_report(gm: fx.GraphModule, phase: str) -> GraphReport:
             users = sorted(node.users, key=lambda u: index.get(u, len(order)))
             first, last = (users[0].name, users[-1].name) if users else ("-", "-")
             sites.append(CollectiveSite("unshard", op_arguments(node)["param"], node.name, index[node],
-                                        node.args[0].name, first, last, _nbytes(node)))  # fmt: skip
+                                        node.args[0].name, first, last, nbytes(node)))  # fmt: skip
         elif is_seq_gather(node) or is_seq_grad(node):
             kind = "seq_read" if is_seq_gather(node) else "seq_grad"
-            sites.append(CollectiveSite(kind, seq_param(node), node.name, index[node], "-", "-", "-", _nbytes(node)))
+            sites.append(CollectiveSite(kind, seq_param(node), node.name, index[node], "-", "-", "-", nbytes(node)))
         elif is_reduce(node):
             grad = node.args[0]
             sites.append(CollectiveSite("reduce", op_arguments(node)["param"], node.name, index[node],
-                                        grad.name, "-", "-", _nbytes(grad)))  # fmt: skip
+                                        grad.name, "-", "-", nbytes(grad)))  # fmt: skip
     return GraphReport(phase, len(order), tuple(sites))

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.passes.lower import LOWERED
+from fxshard.passes.markers import nbytes
 
 _funcol = torch.ops._c10d_functional
 _ALL_GATHER = _funcol.all_gather_into_tensor.default
@@ -76,11 +77,6 @@ def _input_chain(node: fx.Node) -> list[fx.Node] | None:
     return sorted(found, key=order.__getitem__)
 
 
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_reduces_in_flight: int) -> Schedule:
     gathers = [n for n in graph.nodes if n.target == _ALL_GATHER and n.meta.get(LOWERED) and _wait_of(n) is not None]
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -92,7 +88,7 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
             units.append([])
             size = 0
         units[-1].append(g)
-        size += _nbytes(g)
+        size += nbytes(g)
 
     if prefetch > 0:
         moves = [[(g, _input_chain(g)) for g in unit] for unit in units]

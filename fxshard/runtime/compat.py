@@ -53,10 +53,9 @@ __all__ = [
 # What dynamo raises for a graph break under fullgraph=True: an unsupported
 # construct, or Python control flow on tensor data (``.tolist()``, ``if x:``).
 # Under fullgraph=False dynamo turns each of these into a graph break.
+from torch._dynamo.exc import BackendCompilerFailed as _BackendCompilerFailed  # noqa: E402
 from torch._dynamo.exc import Unsupported as _Unsupported, UserError as _UserError  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
-
-from torch._dynamo.exc import BackendCompilerFailed as _BackendCompilerFailed  # noqa: E402
 from torch._subclasses.fake_tensor import (  # noqa: E402
     DataDependentOutputException as _DataDependentOutput,
     DynamicOutputShapeException as _DynamicOutputShape,
