@@ -51,6 +51,7 @@ MODELS = {
 MODELS["tiny"] = (LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False), 1, 1, 2)
 SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
 DEVICE = "cuda"
+PROFILE = 0  # profile the last N steps (--profile)
 
 
 FXSHARD_KWARGS: dict = {}
@@ -91,7 +92,12 @@ def run_system(system: str, name: str, mesh) -> dict:
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for tokens in batches:
+    profiler = None
+    for i, tokens in enumerate(batches):
+        if PROFILE and i == len(batches) - PROFILE:
+            activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
+            profiler = torch.profiler.profile(activities=[activity])
+            profiler.__enter__()
         start = time.perf_counter()
         loss = lm_loss(model(tokens), tokens)
         loss.backward()
@@ -100,6 +106,8 @@ def run_system(system: str, name: str, mesh) -> dict:
         sync()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
     peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
     step = statistics.median(times[warmup:])
     tokens_per_gpu = batch * SEQ
@@ -110,12 +118,75 @@ def run_system(system: str, name: str, mesh) -> dict:
         peak_gib=peak / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
         losses=losses, step_times_ms=[t * 1e3 for t in times],
     )  # fmt: skip
+    if system == "fxshard":
+        result.update(fxshard_plan_facts(model))
+    if profiler is not None:
+        result["profile"] = kernel_profile(profiler, PROFILE)
     del model, opt, batches, loss
     gc.collect()
     torch._dynamo.reset()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for a, b in intervals:
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            total += min(b, cover[k][1]) - max(a, cover[k][0])
+            k += 1
+    return total
+
+
+def kernel_profile(profiler, steps: int) -> dict:
+    """Per step, from the GPU kernels of the profiled steps (ms): time with
+    any compute kernel running, NCCL kernel time, NCCL time with no compute
+    kernel running (exposed communication), and the largest kernels."""
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    nccl_u, compute_u = _union(nccl), _union(compute)
+    nccl_ms = sum(b - a for a, b in nccl_u) / 1e3
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return dict(
+        compute_busy_ms=sum(b - a for a, b in compute_u) / 1e3 / steps,
+        nccl_ms=nccl_ms / steps,
+        exposed_nccl_ms=(nccl_ms - _covered(nccl_u, compute_u) / 1e3) / steps,
+        top_kernels_ms={k: v / steps for k, v in top},
+    )
+
+
+def fxshard_plan_facts(model: torch.nn.Module) -> dict:
+    """Units, arena and the predicted peak from fxshard's plan (see the README's
+    debug dumps): the largest graph's liveness estimate (inputs, intermediates
+    and arena) plus AdamW's two fp32 states per shard element."""
+    plan = model.fxshard_plan
+    graph_peaks = {f"graph{g.index}.{phase}": a.peak.total for g in plan.graphs for phase, a in g.arenas.items()}
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    units = plan.units.units if plan.units is not None else []
+    return dict(
+        units=len(units), unit_mib=[u.gather_nbytes() / 2**20 for u in units],
+        arena_mib=plan.units.arena.size / 2**20 if plan.units is not None else 0.0,
+        graph_peaks_gib={k: v / 2**30 for k, v in graph_peaks.items()},
+        predicted_peak_gib=(max(graph_peaks.values()) + 2 * shard_bytes) / 2**30 if graph_peaks else None,
+    )
 
 
 def sync() -> None:
@@ -132,6 +203,14 @@ def table(results: list[dict]) -> str:
             f"{r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {r['peak_gib']:.2f} | "
             f"{r['first_step_s']:.1f} | {r['loss_step10']:.4f} |"
         )
+    for r in results:
+        if "profile" in r:
+            p = r["profile"]
+            rows.append(f"\n{r['system']} {r['model']} profile per step: compute busy {p['compute_busy_ms']:.1f} ms, "
+                        f"NCCL {p['nccl_ms']:.1f} ms, exposed NCCL {p['exposed_nccl_ms']:.1f} ms")  # fmt: skip
+        if r.get("predicted_peak_gib") is not None:
+            rows.append(f"\nfxshard {r['model']}: {r['units']} units, arena {r['arena_mib']:.0f} MiB, predicted peak "
+                        f"{r['predicted_peak_gib']:.2f} GiB (measured {r['peak_gib']:.2f})")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -142,10 +221,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON file (rank 0 writes it)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test with gloo")
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
+    parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
     args = parser.parse_args()
-    global DEVICE
+    global DEVICE, PROFILE
     DEVICE = args.device
+    PROFILE = args.profile
     for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):
         if value is not None:
             FXSHARD_KWARGS[key] = value

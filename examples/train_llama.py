@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce (MixedPrecision)")
     p.add_argument("--keep-full-weights", action="store_true", help="reshard_after_forward=False")
+    p.add_argument("--unit-mb", type=float, default=256, help="size target of a unit (one all-gather each)")
+    p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead of the one computing")
     p.add_argument("--debug-dir", default=None, help="dump the rewritten graphs here")
     return p.parse_args()
 
@@ -78,6 +80,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32) if args.bf16 else None
     fxshard.compile(model, reshard_after_forward=not args.keep_full_weights, mp_policy=mp,
+                    unit_mb=args.unit_mb, prefetch=args.prefetch,
                     backend=args.backend, debug_dir=args.debug_dir)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:

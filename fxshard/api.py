@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.policy import MixedPrecision
+from fxshard.runtime.units import Units
 from fxshard.sharding import FXShardModule, ParamShard, RootState, shard_parameters
 
 log = logging.getLogger("fxshard")
@@ -41,6 +42,7 @@ class ShardPlan:
     debug_dir: str | None
     graphs: list[GraphRecord]
     root: RootState
+    units: Units | None  # None at world size 1 and for backend="eager"
 
     @property
     def sequenced(self) -> bool:
@@ -75,6 +77,33 @@ def _check_model(model: nn.Module) -> None:
                 f"parameter {name!r} is on the meta device; meta-device init is not supported yet. "
                 "Materialize the model first (model.to_empty(device=...) and initialize it)"
             )
+
+
+def _explicit_units(model: nn.Module, units: object) -> list[list[str]]:
+    """The parameter names of each listed module, each parameter in its
+    deepest listed module (as nested ``fully_shard`` calls assign them)."""
+    if units is None:
+        return []
+    if not isinstance(units, (list, tuple)) or not all(isinstance(m, nn.Module) for m in units):
+        raise ValueError("units must be a list of submodules of the model, e.g. units=list(model.layers)")
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    listed: dict[str, int] = {}
+    for i, m in enumerate(units):
+        if id(m) not in names:
+            raise ValueError(f"units[{i}] ({type(m).__name__}) is not a submodule of the model; list its submodules")
+        if names[id(m)] in listed:
+            raise ValueError(f"units lists module {names[id(m)]!r} twice")
+        listed[names[id(m)]] = i
+    groups: list[list[str]] = [[] for _ in units]
+    seen: set[int] = set()
+    for fqn, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        owners = [name for name in listed if name == "" or fqn.startswith(name + ".")]
+        if owners:
+            groups[listed[max(owners, key=len)]].append(fqn)
+    return [g for g in groups if g]
 
 
 def _default_mesh(device_type: str) -> DeviceMesh:
@@ -128,6 +157,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     backend: str = "inductor",
     prefetch: int = 1,
     unit_mb: float = 256,
+    units: list[nn.Module] | None = None,
     debug_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
@@ -147,7 +177,11 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     - ``prefetch``: how many units of gathers run ahead of the unit computing
       (0: each gather waits where its weight is first used).
     - ``unit_mb``: the size target of a unit, in MiB of gathered weights. Units
-      are formed from each compiled graph: parameters in order of first use.
+      are formed from the first compiled graph: parameters in order of first
+      use. Each unit is one all-gather and one reduce-scatter.
+    - ``units``: modules, each of which becomes one unit (its parameters not
+      in a deeper listed module), instead of forming units by size. The
+      parameters of no listed module form units by size.
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
     """
     _check_model(model)
@@ -163,6 +197,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    explicit = _explicit_units(model, units)
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
 
@@ -173,22 +208,20 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     params, state = shard_parameters(model, mesh, mp_policy, sequenced=backend == "eager",
                                      reduce_group_name=reduce_group.group_name)  # fmt: skip
     graphs: list[GraphRecord] = []
+    unit_plan = None
     if backend != "eager":
-        if prefetch and "gloo" in str(dist.get_backend(mesh.get_group())):
-            # Several all-gathers in flight on one gloo group crashed (SIGSEGV,
-            # heap corruption) intermittently in the CPU example, under Inductor
-            # and aot_eager. Likely: the gather's temporary input is released
-            # before its wait. Until fixed, gloo waits in place (README, Known gaps).
-            log.warning("fxshard: prefetch=%d is not used with gloo; collectives wait in place", prefetch)
-            prefetch = 0
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch)  # fmt: skip
-        compiled = FXShardBackend(spec)
+        if mesh.size() > 1:
+            unit_plan = Units(state.infos, mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name,
+                              reduce_group.group_name, explicit)  # fmt: skip
+            state.after_first_call = unit_plan.rehome
+        compiled = FXShardBackend(spec, unit_plan)
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
         state.on_graph_break = lambda error: model.compile(backend=compiled, fullgraph=False)
-    plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state)
+    plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state, unit_plan)
     type(model).fxshard_plan = property(lambda self: plan, doc="The ShardPlan fxshard.compile made.")
     log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
     return model

@@ -61,6 +61,7 @@ from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
 from fxshard.runtime.ops import unshard
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
+from fxshard.runtime.units import ParamInfo
 
 log = logging.getLogger("fxshard")
 
@@ -191,11 +192,14 @@ def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) ->
 class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
-    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool) -> None:
+    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...]) -> None:
         self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
+        self.infos = infos  # per distinct parameter, for units (fxshard/runtime/units.py)
         self.calls = 0
         # Set by fxshard.compile: recompile allowing graph breaks; called once.
         self.on_graph_break: Callable[[BaseException], None] | None = None
+        # Set by fxshard.compile: called once, after the first call ran as one graph.
+        self.after_first_call: Callable[[], None] | None = None
 
     def call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         if self.sequenced:
@@ -220,6 +224,8 @@ class RootState:
             self.on_graph_break(error)
             self.sequenced = True
             return self.call(module, base, args, kwargs)
+        if self.calls == 0 and self.after_first_call is not None:
+            self.after_first_call()
         self.calls += 1
         return out
 
@@ -279,6 +285,7 @@ def shard_parameters(
 
     per_module: dict[nn.Module, dict[str, ParamShard]] = {}
     entries: list[SeqEntry] = []
+    infos: list[ParamInfo] = []
     for key, mod_attrs in owners.items():
         spec = specs[key]
         first_mod, first_attr = mod_attrs[0]
@@ -287,11 +294,12 @@ def shard_parameters(
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
         entries.append(_seq_entry(first_mod, first_attr, spec, mesh))
+        infos.append(_param_info(first_mod, first_attr, spec, mesh))
     per_module.setdefault(model, {})
     index = {spec.fqn: i for i, spec in enumerate(specs.values())}
     sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
     shards = LocalShards(list(owners.values()))
-    state = RootState(shards, sequencer, sequenced)
+    state = RootState(shards, sequencer, sequenced, tuple(infos))
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}
         _swap_class(mod, props, state if mod is model else None)
@@ -316,3 +324,16 @@ def _seq_entry(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh)
 
     return SeqEntry(spec.fqn, spec.dim0, end - start, spec.shape, spec.dtype, spec.reduce_dtype, spec.shard_dtype,
                     trainable, local, add_grad)  # fmt: skip
+
+
+def _param_info(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh) -> ParamInfo:
+    def local() -> torch.Tensor:
+        return compat.local_tensor(module._parameters[attr])
+
+    def rehome(tensor: torch.Tensor) -> None:
+        compat.replace_local_tensor(module._parameters[attr], tensor)
+
+    start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+    gather_dtype = spec.dtype or spec.shard_dtype
+    return ParamInfo(spec.fqn, spec.shape, end - start, spec.shard_dtype, gather_dtype,
+                     spec.reduce_dtype or gather_dtype, spec.device, local, rehome)  # fmt: skip

@@ -41,6 +41,7 @@ class Scenario:
     clip_norm: float | None = None  # clip_grad_norm_ on the shards and on the reference
     prepare: Callable[[nn.Module], Any] | None = None  # applied to model and reference, before compile
     steps: int = 3
+    units: Callable[[nn.Module], list[nn.Module]] | None = None  # fxshard.compile(units=...) of the model
     # How fxshard must read (see [Note: two ways to read]): True, sequenced
     # (graph breaks); False, one graph; None, not checked.
     sequenced: bool | None = None
@@ -85,9 +86,23 @@ SCENARIOS: dict[str, Scenario] = {
         **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
         compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
     ),
-    "mixed_precision_bf16_inductor": Scenario(
+    "mixed_precision_bf16_inductor": Scenario(  # small units, two in flight: casts, bucketing and prefetch
         **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
-        compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
+        compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
+                            unit_mb=0.003, prefetch=2),
+    ),
+    # Units (one all-gather and one reduce-scatter each) at several sizes and
+    # prefetch depths; the default 256 MiB makes each small model one unit.
+    "units_per_param_prefetch0": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-6, prefetch=0)),
+    "units_small_prefetch2": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2),
+                                      clip_norm=0.5),
+    "units_explicit": Scenario(  # nested: layers.0.attn is a unit inside the unit of layers.0
+        **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.002),
+        units=lambda m: [m.layers[0], m.layers[0].attn, m.layers[1]],
+    ),
+    "uneven_units_prefetch1": Scenario(
+        make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=1),
     ),
 }
 
@@ -139,7 +154,7 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario) -> dict:
     if sc.prepare is not None:
         sc.prepare(model)
         sc.prepare(ref)
-    fxshard.compile(model, **sc.compile_kwargs)
+    fxshard.compile(model, **sc.compile_kwargs, **({"units": sc.units(model)} if sc.units else {}))
     # eps=1e-6, not 1e-8: Adam's g / (|g| + eps) would turn fp32 reduction-order
     # noise on gradients near 1e-8 into update differences of ~1e-5 that grow
     # step by step; with 1e-6 they stay ~1e-7 and the fp32 tolerance holds.

@@ -10,22 +10,28 @@ from tests import models
 
 def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):
     model = models.TinyLlama()
-    fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path)
+    fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path, unit_mb=0.003)
     model(torch.randint(0, 37, (2, 9))).sum().backward()
     graph_dir = tmp_path / "rank0" / "graph0"
     for phase, name in [("captured", "dedupe_unshard"), ("joint", "tag_unshard"),
-                        ("forward", "lower_collectives"), ("backward", "lower_collectives")]:  # fmt: skip
+                        ("forward", "bucket_collectives"), ("backward", "bucket_collectives")]:  # fmt: skip
         for when in ("before", "after"):
             assert (graph_dir / phase / f"00_{name}.{when}.txt").is_file(), (phase, when)
-    forward = (graph_dir / "forward" / "00_lower_collectives.after.txt").read_text()
-    assert "_c10d_functional.all_gather_into_tensor" in forward
+    for phase in ("forward", "backward"):
+        passes = sorted(p.name for p in (graph_dir / phase).glob("*.after.txt"))
+        assert passes == ["00_bucket_collectives.after.txt", "01_lower_collectives.after.txt",
+                          "02_schedule_collectives.after.txt", "03_plan_arena.after.txt"], passes  # fmt: skip
+    forward = (graph_dir / "forward" / "00_bucket_collectives.after.txt").read_text()
+    assert "fxshard.unit_gather(" in forward and "fxshard.unit_gather_wait(" in forward
     assert "# layers.0.attn.wq" in forward or "# layers.0.attn" in forward
     joint = (graph_dir / "joint" / "00_tag_unshard.after.txt").read_text()
     assert "recompute=MUST_RECOMPUTE" in joint
     summary = (graph_dir / "summary.txt").read_text()
     assert "layers.1.mlp.w2.weight" in summary
     assert "full weights saved from forward for backward: none" in summary
-    assert "reduce-scatters" in summary
+    assert "reduce-scattered" in summary
+    assert "units: " in summary and "unit 0: " in summary
+    assert "[backward arena] arena: " in summary and "predicted peak: " in summary
 
 
 def test_debug_dir_from_environment(fake_pg, tmp_path, monkeypatch):

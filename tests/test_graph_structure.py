@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.testing import FileCheck
@@ -10,9 +11,11 @@ from torch.testing import FileCheck
 import fxshard
 from tests import models
 
-AG = torch.ops._c10d_functional.all_gather_into_tensor.default
-RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
+from fxshard.passes.arena import plan_offsets
+from fxshard.runtime import compat
+from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
+
+PER_PARAM = 1e-6  # unit_mb so small that every parameter is a unit of its own
 
 
 def _nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -38,7 +41,7 @@ def _train_once(model: nn.Module, **kwargs):
 
 def test_reshard_after_forward_saves_no_full_weight(fake_pg):
     model = models.TinyLlama()
-    record = _train_once(model)
+    record = _train_once(model, unit_mb=PER_PARAM)
     n_params = len(model.fxshard_plan.params)
     assert len(_nodes(record.forward, AG)) == n_params  # tied weight: one gather
     assert record.saved_full_weights == ()
@@ -46,7 +49,51 @@ def test_reshard_after_forward_saves_no_full_weight(fake_pg):
     assert len(_nodes(record.backward, RS)) == n_params
     for gather in _nodes(record.forward, AG):
         (wait,) = gather.users
-        assert wait.target == WAIT
+        assert wait.target == UNIT_GATHER_WAIT
+
+
+def test_one_collective_per_unit(fake_pg):
+    """By default (256 MiB units) the tiny model is one unit: one all-gather in
+    forward, one in backward, one reduce-scatter covering every parameter."""
+    model = models.TinyLlama()
+    record = _train_once(model)
+    units = model.fxshard_plan.units
+    assert len(units.units) == 1 and len(units.unit_of) == len(model.fxshard_plan.params)
+    assert len(_nodes(record.forward, AG)) == len(_nodes(record.backward, AG)) == 1
+    (reduce,) = _nodes(record.backward, RS)
+    assert len(reduce.args[0]) == len(model.fxshard_plan.params)  # every gradient, in one reduce-scatter
+    assert "units: 1, one all-gather and one reduce-scatter each" in record.summary()
+
+
+def test_local_shards_are_views_of_the_unit_flat_buffer(fake_pg):
+    """No copy-in: after the first call every local shard lives in its unit's
+    flat buffer, at its slot, and the gather sends that buffer itself."""
+    model = models.TinyLlama()
+    _train_once(model, unit_mb=0.003)
+    units = model.fxshard_plan.units
+    assert len(units.units) > 2
+    for unit in units.units:
+        for m in unit.members:
+            local = m.info.local()
+            assert local.untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr()
+            assert local.storage_offset() == unit.flat.storage_offset() + m.offset
+        assert unit.flat_shard() is unit.flat
+    named = dict(model.named_parameters())
+    member = units.units[0].members[0]
+    assert named[member.info.fqn].to_local().data_ptr() == member.info.local().data_ptr()
+
+
+def test_explicit_units_override(fake_pg):
+    """units=[modules]: each listed module is one unit, minus deeper listed
+    modules; the rest forms units by size."""
+    model = models.TinyLlama()
+    _train_once(model, units=[model.layers[0], model.layers[0].attn], unit_mb=256)
+    units = {u.names for u in model.fxshard_plan.units.units}
+    attn = tuple(n for n, _ in model.named_parameters() if n.startswith("layers.0.attn."))
+    rest_of_block = {n for n, _ in model.named_parameters() if n.startswith("layers.0.") and n not in attn}
+    assert any(set(u) == set(attn) for u in units)
+    assert any(set(u) == rest_of_block for u in units)
+    assert len(units) == 3  # the two listed, and everything else by size (one 256 MiB unit)
 
 
 def test_keep_full_weights_gathers_once(fake_pg):
@@ -59,23 +106,23 @@ def test_keep_full_weights_gathers_once(fake_pg):
 
 def test_collective_order_filecheck(fake_pg):
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
-    fxshard.compile(model, backend="aot_eager")
+    fxshard.compile(model, backend="aot_eager", unit_mb=PER_PARAM, prefetch=0)
     model(torch.randn(5, 8)).sum().backward()
     (record,) = model.fxshard_plan.graphs
     fw = record.forward.code
     # Each weight and bias is gathered and waited on before the matmul reads it.
-    FileCheck().check_count("all_gather_into_tensor", 2).check("wait_tensor").check("addmm").check(
-        "all_gather_into_tensor"
-    ).check("wait_tensor").check("addmm").run(fw)
+    FileCheck().check("unit_gather.default(").check("unit_gather_wait").check("unit_gather.default(").check(
+        "unit_gather_wait"
+    ).check("addmm").check("unit_gather.default(").check("unit_gather_wait").check("addmm").run(fw)
     bw = record.backward.code
     # The last layer's weight gradient (mm) is complete before its reduce-scatter,
     # and the reduce is waited on before it is returned.
-    FileCheck().check("mm").check("reduce_scatter_tensor").check("wait_tensor").check("return").run(bw)
+    FileCheck().check("mm").check("unit_reduce.default(").check("unit_reduce_wait").check("return").run(bw)
 
 
 def test_reduce_scatter_after_gradient_complete(fake_pg):
     model = models.TinyLlama()
-    record = _train_once(model)
+    record = _train_once(model, unit_mb=PER_PARAM)
     bw = record.backward
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     embed_bwd = [n for n in bw.graph.nodes if n.target == torch.ops.aten.embedding_dense_backward.default]
@@ -89,7 +136,7 @@ def test_reduce_scatter_after_gradient_complete(fake_pg):
         grad_producers = [a for a in _ancestors(rs) if a.op == "call_function"]
         assert all(order[a] < order[rs] for a in grad_producers)
         (wait,) = rs.users
-        assert wait.target == WAIT
+        assert wait.target == UNIT_REDUCE_WAIT
 
 
 def test_frozen_parameters_are_gathered_not_reduced(fake_pg):
@@ -119,14 +166,18 @@ def test_buffers_stay_replicated(fake_pg):
     assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
 
 
-def test_mixed_precision_casts_before_the_collectives(fake_pg):
+def test_mixed_precision_casts_before_the_collectives(fake_pg, monkeypatch):
     model = models.TinyLlama()
     mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    record = _train_once(model, mp_policy=mp)
-    gathered = {n.args[0].meta["val"].dtype for n in _nodes(record.forward, AG)}
-    reduced = {n.args[0].meta["val"].dtype for n in _nodes(record.backward, RS)}
-    assert gathered == {torch.bfloat16}, "the cast must come before the all-gather (half the bytes)"
-    assert reduced == {torch.float32}
+    sent = {"gather": set(), "reduce": set()}
+    gather, reduce = compat.all_gather_async, compat.reduce_scatter_async
+    monkeypatch.setattr(compat, "all_gather_async", lambda o, i, g: sent["gather"].add(i.dtype) or gather(o, i, g))
+    monkeypatch.setattr(compat, "reduce_scatter_async", lambda o, i, g: sent["reduce"].add(i.dtype) or reduce(o, i, g))
+    record = _train_once(model, mp_policy=mp, unit_mb=0.003)
+    assert sent["gather"] == {torch.bfloat16}, "the cast must come before the all-gather (half the bytes)"
+    assert sent["reduce"] == {torch.float32}
+    assert {n.meta["val"].dtype for n in _nodes(record.forward, UNIT_GATHER_WAIT)} == {torch.bfloat16}
+    assert {n.meta["val"].dtype for n in _nodes(record.backward, UNIT_REDUCE_WAIT)} == {torch.float32}
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
@@ -161,6 +212,7 @@ def _positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 
 def _gathers_by_wait(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    # One unit per gather here: each all-gather is a schedule unit.
     pos = _positions(gm)
     pairs = [(g, next(iter(g.users))) for g in _nodes(gm, AG)]
     return sorted(pairs, key=lambda p: pos[p[1]])
@@ -172,7 +224,7 @@ def test_prefetch_issues_next_unit_before_waiting(fake_pg):
     prefetch=0 each waits before the next is issued."""
     for prefetch in (0, 1, 2):
         torch._dynamo.reset()
-        record = _train_once(models.TinyLlama(), prefetch=prefetch, unit_mb=1e-6)
+        record = _train_once(models.TinyLlama(), prefetch=prefetch, unit_mb=PER_PARAM)
         for gm in (record.forward, record.backward):
             pos, pairs = _positions(gm), _gathers_by_wait(gm)
             assert len(pairs) > 3
@@ -187,19 +239,24 @@ def test_prefetch_issues_next_unit_before_waiting(fake_pg):
 
 
 def test_units_follow_first_use_and_size_target(fake_pg):
-    record = _train_once(models.TinyLlama(), unit_mb=1e-6)
-    one_per_param = record.schedules["forward"]
-    assert all(len(u) == 1 for u in one_per_param.units)
+    model = models.TinyLlama()
+    record = _train_once(model, unit_mb=PER_PARAM)
+    names = [u.names for u in model.fxshard_plan.units.units]
+    assert all(len(n) == 1 for n in names)
+    first_use = [s.param for s in record.reports["forward"].sites if s.kind == "unshard"]
+    assert [n[0] for n in names] == first_use
     torch._dynamo.reset()
-    record = _train_once(models.TinyLlama())  # 256 MiB: the whole model is one unit
-    assert len(record.schedules["forward"].units) == 1
-    assert sum(map(len, record.schedules["forward"].units)) == len(one_per_param.units)
+    model = models.TinyLlama()
+    _train_once(model, unit_mb=0.003)
+    sizes = [u.gather_nbytes() for u in model.fxshard_plan.units.units]
+    assert len(sizes) > 2 and all(s >= 0.003 * 2**20 for s in sizes[:-1])
+    assert [n for u in model.fxshard_plan.units.units for n in u.names] == first_use
 
 
 def test_reduce_waits_deferred(fake_pg):
     """At most two reduce-scatters are in flight: the wait of reduce i comes
     after reduce i+1 is issued, and before reduce i+2."""
-    record = _train_once(models.TinyLlama())
+    record = _train_once(models.TinyLlama(), unit_mb=PER_PARAM)
     bw = record.backward
     pos = _positions(bw)
     reduces = _nodes(bw, RS)
@@ -210,10 +267,65 @@ def test_reduce_waits_deferred(fake_pg):
             assert pos[reduces[i + 1]] < pos[wait] < (pos[reduces[i + 2]] if i + 2 < len(reduces) else len(pos))
 
 
-def test_reduces_on_their_own_group(fake_pg):
+def test_reduces_on_their_own_group(fake_pg, monkeypatch):
     """Reduce-scatters use a second communicator over the same ranks, so they
     can overlap the backward's all-gathers."""
-    record = _train_once(models.TinyLlama())
-    gather_groups = {n.args[-1] for n in _nodes(record.backward, AG)}
-    reduce_groups = {n.args[-1] for n in _nodes(record.backward, RS)}
-    assert len(gather_groups) == len(reduce_groups) == 1 and gather_groups != reduce_groups
+    groups = {"gather": set(), "reduce": set()}
+    gather, reduce = compat.all_gather_async, compat.reduce_scatter_async
+    monkeypatch.setattr(compat, "all_gather_async", lambda o, i, g: groups["gather"].add(g) or gather(o, i, g))
+    monkeypatch.setattr(compat, "reduce_scatter_async", lambda o, i, g: groups["reduce"].add(g) or reduce(o, i, g))
+    _train_once(models.TinyLlama(), unit_mb=0.003)
+    (g,), (r,) = groups["gather"], groups["reduce"]
+    assert g is not r and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(r)
+
+
+def _check_arena(plan) -> None:
+    for i, a in enumerate(plan.buffers):
+        assert a.offset % 256 == 0 and a.offset + a.nbytes <= plan.size
+        for b in plan.buffers[i + 1 :]:
+            if a.first <= b.last and b.first <= a.last:  # alive at the same time
+                assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset, (a, b)
+
+
+def test_arena_buffers_alive_together_never_overlap(fake_pg):
+    """Every collective buffer is an arena slice; with two units in flight
+    (prefetch=2) and deferred reduce waits, buffers alive at the same time
+    get disjoint bytes. The arena is allocated in the first step (again when
+    the backward, compiled after the forward ran, needs more), never after."""
+    model = models.TinyLlama()
+    mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    record = _train_once(model, unit_mb=0.003, prefetch=2, mp_policy=mp)
+    plans = record.arenas
+    assert set(plans) == {"forward", "backward"}
+    overlapping = 0
+    for plan in plans.values():
+        _check_arena(plan)
+        spans = [(b.first, b.last) for b in plan.buffers]
+        overlapping += sum(a[0] <= b[1] and b[0] <= a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
+        assert plan.size < sum(b.nbytes for b in plan.buffers), "buffers not alive together should share bytes"
+    assert overlapping > 0, "prefetch must keep several buffers alive at once"
+    arena = model.fxshard_plan.units.arena
+    assert arena.size == max(p.size for p in plans.values())
+    first_step = arena.allocations
+    assert first_step <= 2
+    for _ in range(2):
+        model(torch.randint(0, 37, (2, 9))).sum().backward()
+    assert arena.allocations == first_step
+    assert "[forward arena] arena:" in record.summary() and "predicted peak" in record.summary()
+
+
+def test_plan_offsets_random_intervals():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        buffers = []
+        for _ in range(n):
+            first = int(torch.randint(0, 20, (1,), generator=gen))
+            buffers.append((int(torch.randint(1, 5000, (1,), generator=gen)), first,
+                            first + int(torch.randint(0, 8, (1,), generator=gen))))  # fmt: skip
+        offsets, size = plan_offsets(buffers)
+        for i, (s1, f1, l1) in enumerate(buffers):
+            assert offsets[i] + s1 <= size
+            for j, (s2, f2, l2) in enumerate(buffers[:i]):
+                if f1 <= l2 and f2 <= l1:
+                    assert offsets[i] + s1 <= offsets[j] or offsets[j] + s2 <= offsets[i]

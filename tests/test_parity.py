@@ -11,10 +11,10 @@ from tests.parity import SCENARIOS, run_all
 CHECKS = [*(name for name in SCENARIOS if name != "routed_experts"), "eval_no_grad", "routed_experts_differ"]
 # CPU time on 2 cores: world size 2 runs every check, inductor (C++ compiles)
 # included; 1, 3 and 4 run the checks whose shard layout changes with the
-# world size (empty and ragged shards, tied and direct reads).
+# world size (empty and ragged shards, tied and direct reads, units).
 INDUCTOR_WORLD_SIZES = (2,)
-LAYOUT_CHECKS = ("llama_tied", "llama_tied_keep_full", "mamba_direct_reads", "uneven_and_empty",
-                 "uneven_and_empty_keep_full", "eval_no_grad")  # fmt: skip
+LAYOUT_CHECKS = ("llama_tied", "mamba_direct_reads", "uneven_and_empty", "units_small_prefetch2",
+                 "uneven_units_prefetch1")  # fmt: skip
 
 
 def _checks_for(world_size: int) -> list[str]:

@@ -13,7 +13,7 @@ from fxshard.passes.markers import is_reduce, is_unshard
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import gather_full, reduce_to_shard
 
-_COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
+COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
 LOWERED = "fxshard_lowered"  # node.meta key on every node lowering inserts
 
 
@@ -52,7 +52,7 @@ def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
     return tuple(plan)
 
 
-def _fake_value(target: Any, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
+def fake_value(target: Any, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
     if fake_mode is None:
         return None
     unwrap = lambda n: n.meta.get("val") if isinstance(n, fx.Node) else n  # noqa: E731
@@ -76,9 +76,9 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
                 result = env[sub.args[0]]
             else:
                 new = graph.node_copy(sub, lambda n: env[n])
-                new.meta = {k: node.meta[k] for k in _COPIED_META if k in node.meta}
+                new.meta = {k: node.meta[k] for k in COPIED_META if k in node.meta}
                 new.meta[LOWERED] = True  # what schedule_collectives may move
-                new.meta["val"] = _fake_value(new.target, new.args, new.kwargs, fake_mode)
+                new.meta["val"] = fake_value(new.target, new.args, new.kwargs, fake_mode)
                 env[sub] = new
     node.replace_all_uses_with(result)
     graph.erase_node(node)

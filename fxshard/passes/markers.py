@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxshard.runtime import compat
 from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
 from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD, param_name
 
@@ -38,7 +39,7 @@ def is_reduce(node: fx.Node) -> bool:
 def nbytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 when unknown)."""
     val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    return compat.size_hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def is_view_like(node: fx.Node) -> bool:

@@ -4,9 +4,14 @@ One captured graph goes through three stages (see passes/README.md):
 1. captured graph: ``dedupe_unshard``;
 2. joint graph (inside AOTAutograd): ``tag_unshard``, then torch's min-cut
    partitioner splits it into forward and backward;
-3. forward, backward and inference graphs: ``lower_collectives``, then
-   ``schedule_collectives`` (prefetch); then Inductor (``compile_fx_inner``)
-   or nothing (``aot_eager``).
+3. forward, backward and inference graphs: ``bucket_collectives`` (one
+   collective per unit), ``lower_collectives`` (the rest, per parameter),
+   ``schedule_collectives`` (prefetch, deferred reduce waits), ``plan_arena``
+   (buffer offsets); then Inductor (``compile_fx_inner``) or nothing
+   (``aot_eager``).
+
+The units themselves are formed once, from the first captured graph's order
+of first use (``Units.assign``), before AOTAutograd traces it.
 
 Inductor keeps its own AOTAutograd setup, joint passes and partitioner: fxshard
 plugs in through ``compile_fx``'s ``inner_compile`` hook and a scoped
@@ -27,15 +32,18 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxshard.passes.arena import ArenaPlan, plan_arena_pass
+from fxshard.passes.bucket import bucket_collectives_pass
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
-from fxshard.passes.lower import lower_collectives_pass
+from fxshard.passes.lower import lower_collectives_pass, op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
 from fxshard.passes.report import GraphReport, graph_report
 from fxshard.passes.runner import GraphPass, run_passes
 from fxshard.passes.schedule import Schedule, schedule_collectives_pass
 from fxshard.passes.tagging import tag_unshard_pass
 from fxshard.runtime import compat
+from fxshard.runtime.units import Units
 
 log = logging.getLogger("fxshard")
 
@@ -73,15 +81,21 @@ class GraphRecord:
     inference: fx.GraphModule | None = None
     reports: dict[str, GraphReport] = field(default_factory=dict)
     schedules: dict[str, Schedule] = field(default_factory=dict)
+    arenas: dict[str, ArenaPlan] = field(default_factory=dict)
+    units: str = ""  # the model's units, as formatted for the summary
     full_weights_in_forward: frozenset[str] = frozenset()
     saved_full_weights: tuple[str, ...] | None = None  # known once the backward is compiled
 
     def summary(self) -> str:
         parts = [f"graph {self.index}"]
+        if self.units:
+            parts.append(self.units)
         for phase, report in self.reports.items():
             parts.append(report.format())
             if phase in self.schedules:
                 parts.append(f"[{phase} schedule] " + self.schedules[phase].format())
+            if phase in self.arenas and self.arenas[phase].buffers:
+                parts.append(f"[{phase} arena] " + self.arenas[phase].format())
         if self.saved_full_weights is not None:
             saved = ", ".join(self.saved_full_weights) or "none"
             parts.append(f"full weights saved from forward for backward: {saved}\n")
@@ -116,8 +130,9 @@ class _JointTagPass(compat.CustomGraphPass):
 class FXShardBackend:
     """A dynamo backend: ``backend(gm, example_inputs) -> callable``."""
 
-    def __init__(self, spec: BackendSpec) -> None:
+    def __init__(self, spec: BackendSpec, units: Units | None = None) -> None:
         self.spec = spec
+        self.units = units  # None: every parameter is gathered and reduced on its own
         self.graphs: list[GraphRecord] = []
         self._policy = CheckpointPolicy.MUST_RECOMPUTE if spec.reshard_after_forward else CheckpointPolicy.MUST_SAVE
 
@@ -130,6 +145,10 @@ class FXShardBackend:
         record.captured = run_passes(
             gm, example_inputs, [GraphPass("dedupe_unshard", dedupe_unshard_pass)], phase="captured", dumper=dumper
         )
+        if self.units is not None:
+            first_use = [op_arguments(n)["param"] for n in record.captured.graph.nodes if is_unshard(n)]
+            self.units.assign(first_use, self.spec.unit_bytes)
+            record.units = format_units(self.units)
         compile_graph = functools.partial(self._compile_graph, record, dumper)
         if self.spec.compiler == "inductor":
             patches = compat.inductor_config_patches(_JointTagPass(self, dumper))
@@ -162,10 +181,18 @@ class FXShardBackend:
         schedules: list[Schedule] = []
         schedule = functools.partial(schedule_collectives_pass, unit_bytes=self.spec.unit_bytes,
                                      prefetch=self.spec.prefetch, record=schedules)  # fmt: skip
-        passes = [GraphPass("lower_collectives", lower), GraphPass("schedule_collectives", schedule)]
+        arenas: list[ArenaPlan] = []
+        passes = [
+            GraphPass("bucket_collectives", functools.partial(bucket_collectives_pass, units=self.units)),
+            GraphPass("lower_collectives", lower),
+            GraphPass("schedule_collectives", schedule),
+            GraphPass("plan_arena", functools.partial(plan_arena_pass, units=self.units, record=arenas)),
+        ]
         gm = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
         if schedules:
             record.schedules[phase] = schedules[0]
+        if arenas:
+            record.arenas[phase] = arenas[0]
         setattr(record, phase, gm)
         if dumper:
             dumper.text("summary.txt", record.summary())
@@ -184,3 +211,14 @@ class FXShardBackend:
         elif phase == "backward":
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             record.saved_full_weights = tuple(n for n in inputs if n in record.full_weights_in_forward)
+
+
+def format_units(units: Units) -> str:
+    if not units.units:
+        return "units: none (every parameter gathered on its own)\n"
+    lines = [f"units: {len(units.units)}, one all-gather and one reduce-scatter each"]
+    for u in units.units:
+        names = u.names
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} parameters)" if len(names) > 4 else "")
+        lines.append(f"  unit {u.index}: {u.gather_nbytes() / 2**20:.2f} MiB gathered, {u.gather_dtype}: {shown}")
+    return "\n".join(lines) + "\n"

@@ -46,8 +46,8 @@ class GraphReport:
     def format(self) -> str:
         head = (
             f"[{self.phase}] {self.num_nodes} compute nodes; "
-            f"{self.count('unshard')} all-gathers ({self.nbytes('unshard') / 2**20:.2f} MiB), "
-            f"{self.count('reduce')} reduce-scatters ({self.nbytes('reduce') / 2**20:.2f} MiB)"
+            f"{self.count('unshard')} parameters gathered ({self.nbytes('unshard') / 2**20:.2f} MiB), "
+            f"{self.count('reduce')} reduce-scattered ({self.nbytes('reduce') / 2**20:.2f} MiB)"
         )
         if self.count("seq_read") or self.count("seq_grad"):
             head += f"; {self.count('seq_read')} sequenced reads, {self.count('seq_grad')} sequenced gradients"

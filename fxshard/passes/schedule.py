@@ -5,10 +5,11 @@ After lowering, each all-gather sits right before its wait, and each wait
 right before the gathered weight's first use: compute stalls on every
 gather. This pass moves collectives, never compute:
 
-- Units. The gathers, in the order of their waits (the order of first use),
-  are grouped into units of about ``unit_bytes`` of gathered weights. A
-  parameter's unit follows from the graph alone, so it is the same on every
-  rank.
+- Units. Each bucketed unit gather (``fxshard::unit_gather``, one per unit
+  of ``runtime/units.py``) is a schedule unit of its own. Per-parameter
+  gathers left by ``lower_collectives`` are grouped, in the order of their
+  waits (the order of first use), into units of about ``unit_bytes``. Both
+  follow from the graph alone, so they are the same on every rank.
 - Prefetch. Unit ``u``'s all-gathers (with the casts and pads that feed them,
   which read only graph inputs) move to just before the first wait of unit
   ``u - prefetch``: they run while that unit computes. Units within the
@@ -31,13 +32,18 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from fxshard.passes.bucket import NBYTES
 from fxshard.passes.lower import LOWERED
 from fxshard.passes.markers import nbytes
+from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT
 
 _funcol = torch.ops._c10d_functional
 _ALL_GATHER = _funcol.all_gather_into_tensor.default
 _REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
 _WAIT = _funcol.wait_tensor.default
+# A collective (per parameter, or per unit) and the op that waits for it.
+_WAITS = {_ALL_GATHER: _WAIT, _REDUCE_SCATTER: _WAIT, UNIT_GATHER: UNIT_GATHER_WAIT, UNIT_REDUCE: UNIT_REDUCE_WAIT}
+_COMM = frozenset(_WAITS) | frozenset(_WAITS.values())
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,17 @@ class Schedule:
 
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if u.target == _WAIT]
+    waits = [u for u in node.users if u.target == _WAITS.get(node.target)]
     return waits[0] if len(waits) == 1 else None
+
+
+def _is_lowered(node: fx.Node, *targets: object) -> bool:
+    """A collective of one of ``targets`` that lowering or bucketing inserted, with its wait."""
+    return node.target in targets and bool(node.meta.get(LOWERED)) and _wait_of(node) is not None
+
+
+def _bytes(node: fx.Node) -> int:
+    return node.meta[NBYTES] if NBYTES in node.meta else nbytes(node)
 
 
 def _input_chain(node: fx.Node) -> list[fx.Node] | None:
@@ -69,7 +84,7 @@ def _input_chain(node: fx.Node) -> list[fx.Node] | None:
         n = frontier.pop()
         if n in found or n.op == "placeholder" or n.op == "get_attr":
             continue
-        if n.op != "call_function" or not n.meta.get(LOWERED) or n.target in (_WAIT, _ALL_GATHER, _REDUCE_SCATTER):
+        if n.op != "call_function" or not n.meta.get(LOWERED) or n.target in _COMM:
             return None
         found.add(n)
         frontier.extend(n.all_input_nodes)
@@ -78,17 +93,19 @@ def _input_chain(node: fx.Node) -> list[fx.Node] | None:
 
 
 def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_reduces_in_flight: int) -> Schedule:
-    gathers = [n for n in graph.nodes if n.target == _ALL_GATHER and n.meta.get(LOWERED) and _wait_of(n) is not None]
+    gathers = [n for n in graph.nodes if _is_lowered(n, _ALL_GATHER, UNIT_GATHER)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     gathers.sort(key=lambda g: order[_wait_of(g)])
     units: list[list[fx.Node]] = []
     size = unit_bytes
     for g in gathers:
-        if size >= unit_bytes:
+        # A unit gather (bucketed) is a schedule unit of its own; per-parameter
+        # gathers are grouped here by size.
+        if size >= unit_bytes or g.target == UNIT_GATHER or units[-1][-1].target == UNIT_GATHER:
             units.append([])
             size = 0
         units[-1].append(g)
-        size += nbytes(g)
+        size += _bytes(g)
 
     if prefetch > 0:
         moves = [[(g, _input_chain(g)) for g in unit] for unit in units]
@@ -105,7 +122,7 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
                         anchor.prepend(n)
 
     deferred = 0
-    reduces = [n for n in graph.nodes if n.target == _REDUCE_SCATTER and n.meta.get(LOWERED) and _wait_of(n) is not None]
+    reduces = [n for n in graph.nodes if _is_lowered(n, _REDUCE_SCATTER, UNIT_REDUCE)]
     output = next(n for n in graph.nodes if n.op == "output")
     for i, rs in enumerate(reduces):
         anchor = reduces[i + max_reduces_in_flight] if i + max_reduces_in_flight < len(reduces) else output
@@ -127,7 +144,7 @@ def _output_chain(wait: fx.Node, output: fx.Node, anchor: fx.Node) -> list[fx.No
         for user in frontier.pop().users:
             if user is output or user in found:
                 continue
-            if user.op != "call_function" or user.target in (_ALL_GATHER, _REDUCE_SCATTER, _WAIT):
+            if user.op != "call_function" or user.target in _COMM:
                 return None
             found.add(user)
             frontier.append(user)

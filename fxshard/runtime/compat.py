@@ -33,6 +33,14 @@ if "inner_compile" not in inspect.signature(compile_fx).parameters:
 
 __all__ = [
     "CustomGraphPass",
+    "size_hint",
+    "all_gather_async",
+    "reduce_scatter_async",
+    "chunk_cat",
+    "group_backend",
+    "local_tensor",
+    "replace_local_tensor",
+    "resolve_group",
     "aot_autograd",
     "compile_fx",
     "compile_fx_inner",
@@ -122,7 +130,12 @@ def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) ->
 
     if not hasattr(inductor_config, "joint_custom_pre_pass"):
         raise ImportError("this torch's inductor has no joint_custom_pre_pass hook")
-    return {"joint_custom_pre_pass": joint_pre_pass}
+    patches: dict[str, Any] = {"joint_custom_pre_pass": joint_pre_pass}
+    # fxshard's schedule places each collective's start and wait; Inductor's
+    # peak-memory reordering would move them (a wait early, a prefetch late).
+    if hasattr(inductor_config, "reorder_for_peak_memory"):
+        patches["reorder_for_peak_memory"] = False
+    return patches
 
 
 def fake_store() -> Any:
@@ -131,3 +144,85 @@ def fake_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def resolve_group(group_name: str) -> Any:
+    """The ProcessGroup registered under ``group_name`` (what functional collectives take)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def group_backend(group_name: str) -> str:
+    """The backend of a group by name: "nccl", "gloo", "fake", ..."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(resolve_group(group_name)))
+
+
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Write ``tensors`` rank-major into ``out`` (``num_chunks x n``): each is
+    padded to a multiple of ``num_chunks`` rows and split into that many
+    chunks; chunk ``r`` of every tensor, end to end, is row ``r`` of ``out``.
+    Casts to ``out``'s dtype. One kernel where torch has ``_chunk_cat``."""
+    if hasattr(torch, "_chunk_cat"):
+        torch._chunk_cat(tensors, 0, num_chunks, out=out)
+        return
+    offset = 0  # pragma: no cover - the same, one copy per tensor and rank
+    out.zero_()
+    for t in tensors:
+        flat, row = t.reshape(t.shape[0], -1), t[0].numel()
+        chunk = -(-t.shape[0] // num_chunks)
+        for r in range(num_chunks):
+            rows = flat[r * chunk : (r + 1) * chunk]
+            out[r, offset : offset + rows.numel()].copy_(rows.reshape(-1))
+        offset += chunk * row
+
+
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """The plain tensor a DTensor holds (not a view of it)."""
+    return dtensor._local_tensor
+
+
+def replace_local_tensor(dtensor: Any, local: torch.Tensor) -> None:
+    """Make ``dtensor`` (a parameter, say) hold ``local`` instead, keeping the
+    DTensor object, so optimizers and references to it are unaffected.
+    Unlike ``set_``, this leaves the old tensor and its views untouched:
+    views already taken for a running call, and saved for its backward, keep
+    their storage and version counter."""
+    old = dtensor._local_tensor
+    if local.shape != old.shape or local.dtype != old.dtype or local.stride() != old.stride():
+        raise ValueError(f"replacement local tensor {local.shape}/{local.dtype} does not match {old.shape}/{old.dtype}")
+    dtensor._local_tensor = local
+
+
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Start ``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor``
+    before, deprecated since); returns the Work."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Start a summing ``reduce_scatter_single`` (``reduce_scatter_tensor``
+    before torch 2.13); returns the Work."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def size_hint(value: Any) -> int:
+    """An int for a size that may be symbolic (dynamic shapes): its example
+    value, read without adding a guard (``int()`` on a SymInt would guard
+    and so cause recompiles)."""
+    if isinstance(value, int):
+        return value
+    from torch.fx.experimental import symbolic_shapes
+
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or getattr(symbolic_shapes, "hint_int", None)
+    if hint is None:  # pragma: no cover - neither name in this torch
+        return value.node.hint
+    return int(hint(value))

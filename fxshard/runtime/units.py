@@ -1,0 +1,417 @@
+"""Units: parameters gathered and reduced together, from one flat shard buffer.
+
+[Note: units and flat shards]
+A unit is a list of parameters that move together: one all-gather brings
+all of their shards, one reduce-scatter takes all of their gradients. Its
+layout depends only on the full shapes and the world size, so it is the same
+on every rank:
+
+- Each member ``i`` has ``chunk_i = ceil(dim0_i / world_size)`` rows per rank
+  and ``row_i`` elements per row; its *slot* is ``chunk_i * row_i`` elements.
+- A rank's flat shard is the members' slots end to end (``numel`` elements).
+  Member ``i``'s local shard is a view of its slot: the first
+  ``local_rows_i * row_i`` elements (the rest is padding, never read).
+  ``Units.assign`` copies each local shard into its unit's flat buffer and
+  makes the DTensor parameter hold that view instead; the parameter objects,
+  and any optimizer holding them, are unchanged.
+- The all-gather input is the flat shard itself: no copy-in, unless the
+  gather casts it to ``param_dtype`` (the cast is the copy). Its output,
+  ``world_size x numel``, is rank-major. The wait copies it out, in one
+  ``split_with_sizes_copy``, to member-major order: member ``i``'s full
+  parameter is then the first ``dim0_i * row_i`` elements of its
+  ``world_size * slot_i`` block.
+- The reduce-scatter input is the reverse: ``_chunk_cat`` (one kernel, with
+  the cast to the reduce dtype) lays the full gradients out rank-major, and
+  rank ``r`` receives its slots, summed. The wait divides by the world size
+  and casts to the shard dtype.
+- A graph that reads only some members still gathers the whole unit (from
+  the members' current local shards); a backward reduces only the members
+  whose gradients it computes.
+
+The collectives' buffers (gather output, gather input where a cast needs
+one, reduce input and output) are slices of the ``Arena``, one device buffer
+at offsets that the ``plan_arena`` pass computes from each graph's liveness.
+They never appear in a compiled graph: the graph holds a token from the
+``*_start`` op to its ``*_wait`` op, and the wait returns a fresh tensor. So
+Inductor cannot reuse arena memory for its own buffers, and the start keeps
+the input alive until the wait (gloo and NCCL alike).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from fxshard.runtime import compat
+from fxshard.runtime.collectives import chunk_rows
+
+log = logging.getLogger("fxshard")
+
+ARENA_ALIGN = 256  # bytes; every arena slice starts at a multiple
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What units need to know of one parameter."""
+
+    fqn: str
+    shape: tuple[int, ...]  # the full parameter's
+    local_rows: int  # this rank's real rows
+    shard_dtype: torch.dtype
+    gather_dtype: torch.dtype
+    reduce_dtype: torch.dtype  # the dtype the reduce-scatter sums in
+    device: torch.device
+    local: Callable[[], torch.Tensor]  # the DTensor's local tensor now
+    rehome: Callable[[torch.Tensor], None]  # make the DTensor hold this tensor (same values) instead
+
+
+@dataclass(frozen=True)
+class Member:
+    info: ParamInfo
+    chunk: int  # rows per rank, padded
+    row: int  # elements per row
+    offset: int  # of the slot in the rank's flat shard, in elements
+
+    @property
+    def slot(self) -> int:
+        return self.chunk * self.row
+
+    @property
+    def numel(self) -> int:
+        return self.info.shape[0] * self.row
+
+    @property
+    def local_numel(self) -> int:
+        return self.info.local_rows * self.row
+
+
+class Unit:
+    """One unit's layout and this rank's flat shard buffer."""
+
+    def __init__(self, index: int, infos: Sequence[ParamInfo], world_size: int) -> None:
+        self.index = index
+        self.world_size = world_size
+        members, offset = [], 0
+        for info in infos:
+            row = 1
+            for d in info.shape[1:]:
+                row *= d
+            chunk = chunk_rows(info.shape[0], world_size)
+            members.append(Member(info, chunk, row, offset))
+            offset += chunk * row
+        self.members = tuple(members)
+        self.numel = offset
+        first = infos[0]
+        self.shard_dtype, self.gather_dtype, self.device = first.shard_dtype, first.gather_dtype, first.device
+        self.flat: torch.Tensor | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.info.fqn for m in self.members)
+
+    def gather_nbytes(self) -> int:
+        return self.world_size * self.numel * self.gather_dtype.itemsize
+
+    def rehome(self) -> None:
+        """Move every member's local shard into one flat buffer (see the Note)."""
+        flat = torch.zeros(self.numel, dtype=self.shard_dtype, device=self.device)
+        with torch.no_grad():
+            for m in self.members:
+                local = m.info.local()
+                view = flat[m.offset : m.offset + m.local_numel].view(local.shape)
+                view.copy_(local)
+                m.info.rehome(view)
+        self.flat = flat
+
+    def flat_shard(self) -> torch.Tensor:
+        """This rank's flat shard: the buffer itself while every local shard
+        is still a view of its slot (the user may have replaced one); else a copy."""
+        flat = self.flat
+        if flat is not None and all(_is_slot_view(m, flat) for m in self.members):
+            return flat
+        out = torch.zeros(self.numel, dtype=self.shard_dtype, device=self.device)
+        for m in self.members:
+            out[m.offset : m.offset + m.local_numel].copy_(m.info.local().reshape(-1))
+        return out
+
+
+def _is_slot_view(m: Member, flat: torch.Tensor) -> bool:
+    local = m.info.local()
+    return (
+        local.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        and local.storage_offset() == flat.storage_offset() + m.offset
+        and local.is_contiguous()
+        and local.dtype == flat.dtype
+    )
+
+
+class Arena:
+    """One device buffer; every collective buffer of every compiled graph is a
+    slice of it, at offsets planned per graph (``passes/arena.py``). Graphs
+    run one at a time and wait for their own collectives, so they share it.
+    Allocated on first use at the largest size planned so far; it grows only
+    when a graph compiled later needs more (in the first training step, the
+    backward, which torch compiles after the forward ran), never in steady state."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.size = 0  # planned bytes
+        self.allocations = 0  # how many times the buffer was (re)allocated
+        self._buffer: torch.Tensor | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        self.size = max(self.size, nbytes)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if offset % ARENA_ALIGN:
+            raise RuntimeError(f"fxshard: arena offset {offset} is not a multiple of {ARENA_ALIGN}")
+        if offset + nbytes > self.size:
+            # Only where the passes did not run in this process (a graph torch
+            # loaded from its compile cache): grow. A collective still in
+            # flight keeps the old buffer alive through its pending entry.
+            log.info("fxshard: arena grows to %.2f MiB (a graph planned in another process)",
+                     (offset + nbytes) / 2**20)  # fmt: skip
+            self.size = offset + nbytes
+        if self._buffer is None or self._buffer.numel() < self.size:
+            self._buffer = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+            self.allocations += 1
+            log.info("fxshard: arena of %.2f MiB on %s", self.size / 2**20, self.device)
+        return self._buffer[offset : offset + nbytes].view(dtype)
+
+
+_UNITS: "weakref.WeakValueDictionary[int, Units]" = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+class Units:
+    """A model's units, its arena, and the collectives in flight."""
+
+    def __init__(
+        self,
+        params: Sequence[ParamInfo],
+        world_size: int,
+        rank: int,
+        group_name: str,
+        reduce_group_name: str,
+        explicit: Sequence[Sequence[str]] = (),
+    ) -> None:
+        self.params = {p.fqn: p for p in params}
+        self.world_size, self.rank = world_size, rank
+        self.group_name, self.reduce_group_name = group_name, reduce_group_name
+        self.explicit = tuple(tuple(g) for g in explicit)  # fqn groups the user listed as units
+        self.units: list[Unit] = []
+        self.unit_of: dict[str, tuple[int, int]] = {}  # fqn -> (unit, member)
+        self.arena = Arena(params[0].device if params else torch.device("cpu"))
+        self._pending: dict[tuple, tuple] = {}
+        self.id = next(_ids)
+        _UNITS[self.id] = self
+
+    @property
+    def assigned(self) -> bool:
+        return bool(self.units)
+
+    def assign(self, first_use: Sequence[str], unit_bytes: int) -> None:
+        """Form the units, once, from the order in which a graph first reads
+        the parameters (``rehome`` moves the shards into flat buffers later).
+
+        The user's groups come first, each one unit (split where dtypes
+        differ), members in first-use order. The rest, in first-use order,
+        fill units of about ``unit_bytes`` of gathered weights; a unit holds
+        one dtype combination. Parameters the graph never reads get no unit.
+        """
+        if self.units or self.world_size == 1:
+            return
+        order = {name: i for i, name in enumerate(first_use)}
+        groups: list[list[ParamInfo]] = []
+        listed: set[str] = set()
+        for group in self.explicit:
+            members = sorted((n for n in group if n in order), key=order.__getitem__)
+            listed.update(group)
+            groups.extend(_split_by_dtype([self.params[n] for n in members]))
+        current: list[ParamInfo] = []
+        size = 0
+        for name in first_use:
+            if name in listed or name not in self.params:
+                continue
+            info = self.params[name]
+            if current and (size >= unit_bytes or _dtype_key(current[0]) != _dtype_key(info)):
+                groups.append(current)
+                current, size = [], 0
+            current.append(info)
+            size += _numel(info.shape) * info.gather_dtype.itemsize
+        if current:
+            groups.append(current)
+        groups.sort(key=lambda g: order[g[0].fqn])
+        for index, infos in enumerate(groups):
+            unit = Unit(index, infos, self.world_size)
+            self.units.append(unit)
+            for j, m in enumerate(unit.members):
+                self.unit_of[m.info.fqn] = (index, j)
+        log.info("fxshard: %d units over %d parameters", len(self.units), len(self.unit_of))
+
+    def rehome(self) -> None:
+        """Move the shards into their units' flat buffers. Called after the
+        first call of the model ran as one graph: a model that takes
+        sequenced reads never uses units. Until then a gather copies."""
+        for unit in self.units:
+            if unit.flat is None:
+                unit.rehome()
+
+    def separate_gather_input(self, unit: Unit) -> bool:
+        """Whether the gather needs its own input buffer: a cast that cannot be
+        written in place into this rank's block of the output (only NCCL
+        gathers in place)."""
+        return unit.gather_dtype != unit.shard_dtype and compat.group_backend(self.group_name) != "nccl"
+
+    def gather_buffers(self, unit: int) -> list[int]:
+        """Bytes of each arena buffer a gather of ``unit`` uses: output[, input]."""
+        u = self.units[unit]
+        sizes = [u.gather_nbytes()]
+        if self.separate_gather_input(u):
+            sizes.append(u.numel * u.gather_dtype.itemsize)
+        return sizes
+
+    def reduce_layout(self, unit: int, members: Sequence[int]) -> tuple[int, torch.dtype]:
+        """Elements per rank of a reduce of ``members`` of ``unit``, and its dtype."""
+        u = self.units[unit]
+        return sum(u.members[j].slot for j in members), u.members[0].info.reduce_dtype
+
+    def reduce_buffers(self, unit: int, members: Sequence[int]) -> list[int]:
+        """Bytes of each arena buffer a reduce uses: input (all ranks), output."""
+        numel, dtype = self.reduce_layout(unit, members)
+        return [self.world_size * numel * dtype.itemsize, numel * dtype.itemsize]
+
+    # The runtime side of the unit ops (fxshard::unit_*), run by compiled graphs.
+
+    def gather_start(self, unit: int, offsets: Sequence[int]) -> None:
+        u = self.units[unit]
+        out = self.arena.view(offsets[0], self.world_size * u.numel, u.gather_dtype)
+        flat = u.flat_shard()
+        if u.gather_dtype == u.shard_dtype:
+            inp = flat
+        elif len(offsets) > 1:
+            inp = self.arena.view(offsets[1], u.numel, u.gather_dtype)
+            inp.copy_(flat)
+        else:  # in place: cast into this rank's block of the output
+            inp = out.view(self.world_size, u.numel)[self.rank]
+            inp.copy_(flat)
+        work = compat.all_gather_async(out, inp, compat.resolve_group(self.group_name))
+        self._pending[("gather", unit, tuple(offsets))] = (work, inp, out)
+
+    def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
+        work, _, out = self._pending.pop(("gather", unit, tuple(offsets)))
+        work.wait()
+        u = self.units[unit]
+        full = torch.empty(self.world_size * u.numel, dtype=u.gather_dtype, device=u.device)
+        blocks = [full[self.world_size * m.offset : self.world_size * (m.offset + m.slot)].view(self.world_size, m.slot)
+                  for m in u.members]  # fmt: skip
+        torch.split_with_sizes_copy(out.view(self.world_size, u.numel), [m.slot for m in u.members], dim=1, out=blocks)
+        return full
+
+    def reduce_start(self, unit: int, members: Sequence[int], grads: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+        numel, dtype = self.reduce_layout(unit, members)
+        inp = self.arena.view(offsets[0], self.world_size * numel, dtype).view(self.world_size, numel)
+        out = self.arena.view(offsets[1], numel, dtype)
+        compat.chunk_cat(list(grads), self.world_size, inp)
+        work = compat.reduce_scatter_async(out, inp.view(-1), compat.resolve_group(self.reduce_group_name))
+        self._pending[("reduce", unit, tuple(offsets))] = (work, inp, out)
+
+    def reduce_wait(self, unit: int, members: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
+        work, _, out = self._pending.pop(("reduce", unit, tuple(offsets)))
+        work.wait()
+        shard_dtype = self.units[unit].shard_dtype
+        return torch.div(out, self.world_size).to(shard_dtype)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dtype_key(info: ParamInfo) -> tuple:
+    return (info.shard_dtype, info.gather_dtype, info.reduce_dtype, info.device)
+
+
+def _split_by_dtype(infos: list[ParamInfo]) -> list[list[ParamInfo]]:
+    groups: dict[tuple, list[ParamInfo]] = {}
+    for info in infos:
+        groups.setdefault(_dtype_key(info), []).append(info)
+    return list(groups.values())
+
+
+def units_of(units_id: int) -> Units:
+    return _UNITS[units_id]
+
+
+# The ops compiled graphs call. Each start returns an empty token that its
+# wait takes, so the graph orders them; the buffers stay in the runtime.
+
+
+@torch.library.custom_op("fxshard::unit_gather", mutates_args=())
+def unit_gather(shards: list[torch.Tensor], units: int, unit: int, offsets: list[int]) -> torch.Tensor:
+    """Start the all-gather of ``unit`` (``shards``: the members this graph
+    reads, for ordering; the data comes from the unit's flat shard)."""
+    u = units_of(units)
+    u.gather_start(unit, offsets)
+    return torch.empty(0, device=u.units[unit].device)
+
+
+@unit_gather.register_fake
+def _(shards, units, unit, offsets):
+    return torch.empty(0, device=units_of(units).units[unit].device)
+
+
+@torch.library.custom_op("fxshard::unit_gather_wait", mutates_args=())
+def unit_gather_wait(token: torch.Tensor, units: int, unit: int, offsets: list[int]) -> torch.Tensor:
+    """Wait for the gather; return the members' full parameters, end to end
+    in ``world_size * slot`` blocks (see [Note: units and flat shards])."""
+    return units_of(units).gather_wait(unit, offsets)
+
+
+@unit_gather_wait.register_fake
+def _(token, units, unit, offsets):
+    u = units_of(units)
+    v = u.units[unit]
+    return torch.empty(u.world_size * v.numel, dtype=v.gather_dtype, device=v.device)
+
+
+@torch.library.custom_op("fxshard::unit_reduce", mutates_args=())
+def unit_reduce(grads: list[torch.Tensor], units: int, unit: int, members: list[int], offsets: list[int]) -> torch.Tensor:
+    """Start the reduce-scatter of the full gradients ``grads`` of ``members`` of ``unit``."""
+    u = units_of(units)
+    u.reduce_start(unit, members, grads, offsets)
+    return torch.empty(0, device=u.units[unit].device)
+
+
+@unit_reduce.register_fake
+def _(grads, units, unit, members, offsets):
+    return torch.empty(0, device=units_of(units).units[unit].device)
+
+
+@torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=())
+def unit_reduce_wait(token: torch.Tensor, units: int, unit: int, members: list[int], offsets: list[int]) -> torch.Tensor:
+    """Wait for the reduce; return this rank's averaged gradient slots, end to
+    end, in the shard dtype."""
+    return units_of(units).reduce_wait(unit, members, offsets)
+
+
+@unit_reduce_wait.register_fake
+def _(token, units, unit, members, offsets):
+    u = units_of(units)
+    numel, _ = u.reduce_layout(unit, members)
+    v = u.units[unit]
+    return torch.empty(numel, dtype=v.shard_dtype, device=v.device)
+
+
+UNIT_GATHER = torch.ops.fxshard.unit_gather.default
+UNIT_GATHER_WAIT = torch.ops.fxshard.unit_gather_wait.default
+UNIT_REDUCE = torch.ops.fxshard.unit_reduce.default
+UNIT_REDUCE_WAIT = torch.ops.fxshard.unit_reduce_wait.default
