@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.runtime import compat
+from fxshard.passes.markers import nbytes
 from fxshard.runtime.units import ARENA_ALIGN, UNIT_GATHER, UNIT_REDUCE, Units
 
 
@@ -103,14 +103,6 @@ def plan_offsets(buffers: Sequence[tuple[int, int, int]]) -> tuple[list[int], in
     return offsets, size
 
 
-def _tensor_bytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return compat.size_hint(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in val)
-    return 0
-
-
 def graph_peak(graph: fx.Graph, arena: int) -> GraphPeak:
     """Liveness estimate (see the Note), at the example sizes of a dynamic graph."""
     nodes = list(graph.nodes)
@@ -125,13 +117,13 @@ def graph_peak(graph: fx.Graph, arena: int) -> GraphPeak:
         for a in n.all_input_nodes:
             b = base[a]
             last_use[b] = max(last_use[b], pos[n])
-    inputs = sum(_tensor_bytes(n.meta.get("val")) for n in nodes if n.op == "placeholder")
+    inputs = sum(nbytes(n) for n in nodes if n.op == "placeholder")
     frees: dict[int, int] = {}
     live = peak = 0
     at = "-"
     for n in nodes:
         if n.op in ("call_function", "call_module", "call_method") and base[n] is n:
-            size = _tensor_bytes(n.meta.get("val"))
+            size = nbytes(n)
             live += size
             frees[last_use[n]] = frees.get(last_use[n], 0) + size
             if live > peak:

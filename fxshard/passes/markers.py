@@ -36,10 +36,20 @@ def is_reduce(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (REDUCE_GRAD, torch.ops.fxshard.reduce_grad)
 
 
+def value_nbytes(val: object) -> int:
+    """Bytes of a node's value: a tensor, or a list or tuple of them (0 for
+    anything else). Symbolic sizes count at their example values, without
+    adding guards."""
+    if isinstance(val, torch.Tensor):
+        return compat.size_hint(val.numel()) * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(value_nbytes(v) for v in val)
+    return 0
+
+
 def nbytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 when unknown)."""
-    val = node.meta.get("val")
-    return compat.size_hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+    return value_nbytes(node.meta.get("val"))
 
 
 def is_view_like(node: fx.Node) -> bool:

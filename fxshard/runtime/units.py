@@ -105,6 +105,7 @@ class Unit:
             members.append(Member(info, chunk, row, offset))
             offset += chunk * row
         self.members = tuple(members)
+        self.slots = [m.slot for m in members]  # the split sizes of the copy-out
         self.numel = offset
         first = infos[0]
         self.shard_dtype, self.gather_dtype, self.device = first.shard_dtype, first.gather_dtype, first.device
@@ -209,6 +210,7 @@ class Units:
         self.unit_of: dict[str, tuple[int, int]] = {}  # fqn -> (unit, member)
         self.arena = Arena(params[0].device if params else torch.device("cpu"))
         self._pending: dict[tuple, tuple] = {}
+        self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
         self.id = next(_ids)
         _UNITS[self.id] = self
 
@@ -263,6 +265,11 @@ class Units:
             if unit.flat is None:
                 unit.rehome()
 
+    def _group(self, name: str) -> object:
+        if name not in self._groups:
+            self._groups[name] = compat.resolve_group(name)
+        return self._groups[name]
+
     def separate_gather_input(self, unit: Unit) -> bool:
         """Whether the gather needs its own input buffer: a cast that cannot be
         written in place into this rank's block of the output (only NCCL
@@ -301,7 +308,7 @@ class Units:
         else:  # in place: cast into this rank's block of the output
             inp = out.view(self.world_size, u.numel)[self.rank]
             inp.copy_(flat)
-        work = compat.all_gather_async(out, inp, compat.resolve_group(self.group_name))
+        work = compat.all_gather_async(out, inp, self._group(self.group_name))
         self._pending[("gather", unit, tuple(offsets))] = (work, inp, out)
 
     def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
@@ -311,7 +318,7 @@ class Units:
         full = torch.empty(self.world_size * u.numel, dtype=u.gather_dtype, device=u.device)
         blocks = [full[self.world_size * m.offset : self.world_size * (m.offset + m.slot)].view(self.world_size, m.slot)
                   for m in u.members]  # fmt: skip
-        torch.split_with_sizes_copy(out.view(self.world_size, u.numel), [m.slot for m in u.members], dim=1, out=blocks)
+        torch.split_with_sizes_copy(out.view(self.world_size, u.numel), u.slots, dim=1, out=blocks)
         return full
 
     def reduce_start(self, unit: int, members: Sequence[int], grads: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
@@ -319,7 +326,7 @@ class Units:
         inp = self.arena.view(offsets[0], self.world_size * numel, dtype).view(self.world_size, numel)
         out = self.arena.view(offsets[1], numel, dtype)
         compat.chunk_cat(list(grads), self.world_size, inp)
-        work = compat.reduce_scatter_async(out, inp.view(-1), compat.resolve_group(self.reduce_group_name))
+        work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name))
         self._pending[("reduce", unit, tuple(offsets))] = (work, inp, out)
 
     def reduce_wait(self, unit: int, members: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
