@@ -26,9 +26,11 @@ def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):
     assert "# layers.0.attn.wq" in forward or "# layers.0.attn" in forward
     joint = (graph_dir / "joint" / "00_tag_unshard.after.txt").read_text()
     assert "recompute=MUST_RECOMPUTE" in joint
+    assert "recompute=MUST_SAVE" in joint  # the unit gathered last stays for backward
     summary = (graph_dir / "summary.txt").read_text()
     assert "layers.1.mlp.w2.weight" in summary
-    assert "full weights saved from forward for backward: none" in summary
+    saved = next(line for line in summary.splitlines() if line.startswith("full weights saved from forward"))
+    assert saved != "full weights saved from forward for backward: none", saved
     assert "reduce-scattered" in summary
     assert "units: " in summary and "unit 0: " in summary
     assert "[backward arena] arena: " in summary and "predicted peak: " in summary

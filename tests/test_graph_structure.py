@@ -40,12 +40,20 @@ def _train_once(model: nn.Module, **kwargs):
 
 
 def test_reshard_after_forward_saves_no_full_weight(fake_pg):
+    """Every unit but the one gathered last in forward is resharded and
+    gathered again in backward; that last one (here the final norm's weight)
+    is saved, since the backward reads it first."""
     model = models.TinyLlama()
     record = _train_once(model, unit_mb=PER_PARAM)
     n_params = len(model.fxshard_plan.params)
-    assert len(_nodes(record.forward, AG)) == n_params  # tied weight: one gather
-    assert record.saved_full_weights == ()
-    assert len(_nodes(record.backward, AG)) > 0  # gathered again instead
+    forward_gathers = _nodes(record.forward, AG)
+    assert len(forward_gathers) == n_params  # tied weight: one gather
+    (last,) = forward_gathers[-1].users
+    units = model.fxshard_plan.units
+    assert units.units[last.args[2]].names == ("norm.weight",)
+    assert record.saved_full_weights == ("norm.weight",)
+    backward_gathers = {units.units[n.args[2]].names for n in _nodes(record.backward, AG)}
+    assert len(backward_gathers) == n_params - 1 and ("norm.weight",) not in backward_gathers
     assert len(_nodes(record.backward, RS)) == n_params
     for gather in _nodes(record.forward, AG):
         (wait,) = gather.users
@@ -54,12 +62,13 @@ def test_reshard_after_forward_saves_no_full_weight(fake_pg):
 
 def test_one_collective_per_unit(fake_pg):
     """By default (256 MiB units) the tiny model is one unit: one all-gather in
-    forward, one in backward, one reduce-scatter covering every parameter."""
+    forward, kept for backward (it is the last unit), one reduce-scatter
+    covering every parameter."""
     model = models.TinyLlama()
     record = _train_once(model)
     units = model.fxshard_plan.units
     assert len(units.units) == 1 and len(units.unit_of) == len(model.fxshard_plan.params)
-    assert len(_nodes(record.forward, AG)) == len(_nodes(record.backward, AG)) == 1
+    assert len(_nodes(record.forward, AG)) == 1 and len(_nodes(record.backward, AG)) == 0
     (reduce,) = _nodes(record.backward, RS)
     assert len(reduce.args[0]) == len(model.fxshard_plan.params)  # every gradient, in one reduce-scatter
     assert "units: 1, one all-gather and one reduce-scatter each" in record.summary()
@@ -81,6 +90,34 @@ def test_local_shards_are_views_of_the_unit_flat_buffer(fake_pg):
     named = dict(model.named_parameters())
     member = units.units[0].members[0]
     assert named[member.info.fqn].to_local().data_ptr() == member.info.local().data_ptr()
+
+
+def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
+    """No copy-out: the gather writes each member's full parameter into the
+    tensor its wait returns, member-major; the reduce-scatter writes the
+    gradient slots its wait returns (fp32 shards, so no cast either)."""
+    model = models.TinyLlama()
+    _train_once(model, unit_mb=0.003)
+    units = model.fxshard_plan.units
+    sent = {}
+    gather, reduce = compat.all_gather_coalesced_async, compat.reduce_scatter_async
+    monkeypatch.setattr(compat, "all_gather_coalesced_async", lambda o, i, g: sent.update(gather=(o, i)) or gather(o, i, g))
+    monkeypatch.setattr(compat, "reduce_scatter_async",
+                        lambda o, i, g, **kw: sent.update(reduce=o) or reduce(o, i, g, **kw))  # fmt: skip
+    unit = units.units[1]
+    units.gather_start(unit.index, [])
+    full = units.gather_wait(unit.index, [])
+    outs, inps = sent["gather"]
+    ws = units.world_size
+    for m, out, inp in zip(unit.members, outs, inps):
+        assert out.data_ptr() == full.data_ptr() + ws * m.offset * full.itemsize and out.numel() == ws * m.slot
+        assert inp.data_ptr() == unit.flat.data_ptr() + m.offset * unit.flat.itemsize and inp.numel() == m.slot
+    members = list(range(len(unit.members)))
+    offset = units.arena.size  # any aligned offset past the planned ones
+    offset += -offset % 256
+    grads = [torch.ones(m.info.shape) for m in unit.members]
+    units.reduce_start(unit.index, members, grads, [offset])
+    assert units.reduce_wait(unit.index, members, [offset]) is sent["reduce"]
 
 
 def test_explicit_units_override(fake_pg):
@@ -170,9 +207,11 @@ def test_mixed_precision_casts_before_the_collectives(fake_pg, monkeypatch):
     model = models.TinyLlama()
     mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     sent = {"gather": set(), "reduce": set()}
-    gather, reduce = compat.all_gather_async, compat.reduce_scatter_async
-    monkeypatch.setattr(compat, "all_gather_async", lambda o, i, g: sent["gather"].add(i.dtype) or gather(o, i, g))
-    monkeypatch.setattr(compat, "reduce_scatter_async", lambda o, i, g: sent["reduce"].add(i.dtype) or reduce(o, i, g))
+    gather, reduce = compat.all_gather_coalesced_async, compat.reduce_scatter_async
+    monkeypatch.setattr(compat, "all_gather_coalesced_async",
+                        lambda o, i, g: sent["gather"].update(t.dtype for t in i) or gather(o, i, g))  # fmt: skip
+    monkeypatch.setattr(compat, "reduce_scatter_async",
+                        lambda o, i, g, **kw: sent["reduce"].add(i.dtype) or reduce(o, i, g, **kw))  # fmt: skip
     record = _train_once(model, mp_policy=mp, unit_mb=0.003)
     assert sent["gather"] == {torch.bfloat16}, "the cast must come before the all-gather (half the bytes)"
     assert sent["reduce"] == {torch.float32}
@@ -271,9 +310,10 @@ def test_reduces_on_their_own_group(fake_pg, monkeypatch):
     """Reduce-scatters use a second communicator over the same ranks, so they
     can overlap the backward's all-gathers."""
     groups = {"gather": set(), "reduce": set()}
-    gather, reduce = compat.all_gather_async, compat.reduce_scatter_async
-    monkeypatch.setattr(compat, "all_gather_async", lambda o, i, g: groups["gather"].add(g) or gather(o, i, g))
-    monkeypatch.setattr(compat, "reduce_scatter_async", lambda o, i, g: groups["reduce"].add(g) or reduce(o, i, g))
+    gather, reduce = compat.all_gather_coalesced_async, compat.reduce_scatter_async
+    monkeypatch.setattr(compat, "all_gather_coalesced_async", lambda o, i, g: groups["gather"].add(g) or gather(o, i, g))
+    monkeypatch.setattr(compat, "reduce_scatter_async",
+                        lambda o, i, g, **kw: groups["reduce"].add(g) or reduce(o, i, g, **kw))  # fmt: skip
     _train_once(models.TinyLlama(), unit_mb=0.003)
     (g,), (r,) = groups["gather"], groups["reduce"]
     assert g is not r and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(r)

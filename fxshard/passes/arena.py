@@ -2,9 +2,10 @@
 
 [Note: arena plan]
 After scheduling, each unit collective is a start node and a wait node. Its
-buffers (see [Note: units and flat shards]) are alive from the start to the
-wait, inclusive: the collective writes them on the communication stream
-after the start, and the wait is the last to read them. Two buffers whose
+arena buffers (the gather's cast input, the reduce's rank-major input; see
+[Note: units and flat shards]) are alive from the start to the wait,
+inclusive: the start writes them, the collective reads them on the
+communication stream, and the wait is the last to need them. Two buffers whose
 intervals intersect get disjoint byte ranges; others may share. Offsets come
 from a greedy first fit, largest buffer first, each at the lowest aligned
 offset free over its interval. The arena's size is the largest end, and it
@@ -17,7 +18,8 @@ the size in the runtime's ``Arena``.
 
 The same pass estimates the graph's peak memory from liveness (``graph_peak``):
 graph inputs, plus every tensor a node allocates, held from that node to its
-last use (a view holds its base), plus the arena. Inductor fuses pointwise
+last use (a view holds its base), plus the arena. A collective's output is
+held from its start, which allocates it, not its wait. Inductor fuses pointwise
 ops, so the real peak of a compiled graph is usually lower; the estimate
 counts what the ATen graph materializes.
 """
@@ -31,12 +33,12 @@ import torch
 import torch.fx as fx
 
 from fxshard.passes.markers import nbytes
-from fxshard.runtime.units import ARENA_ALIGN, UNIT_GATHER, UNIT_REDUCE, Units
+from fxshard.runtime.units import ARENA_ALIGN, UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Units
 
 
 @dataclass(frozen=True)
 class ArenaBuffer:
-    name: str  # "<start node>.out", ".in"
+    name: str  # "<start node>.in"
     nbytes: int
     first: int  # positions among the graph's nodes, inclusive
     last: int
@@ -118,16 +120,19 @@ def graph_peak(graph: fx.Graph, arena: int) -> GraphPeak:
             b = base[a]
             last_use[b] = max(last_use[b], pos[n])
     inputs = sum(nbytes(n) for n in nodes if n.op == "placeholder")
+    allocs: dict[int, int] = {}
     frees: dict[int, int] = {}
+    for n in nodes:
+        if n.op in ("call_function", "call_module", "call_method") and base[n] is n:
+            at = pos[n.args[0]] if n.target in (UNIT_GATHER_WAIT, UNIT_REDUCE_WAIT) else pos[n]
+            allocs[at] = allocs.get(at, 0) + nbytes(n)
+            frees[last_use[n]] = frees.get(last_use[n], 0) + nbytes(n)
     live = peak = 0
     at = "-"
     for n in nodes:
-        if n.op in ("call_function", "call_module", "call_method") and base[n] is n:
-            size = nbytes(n)
-            live += size
-            frees[last_use[n]] = frees.get(last_use[n], 0) + size
-            if live > peak:
-                peak, at = live, n.name
+        live += allocs.get(pos[n], 0)
+        if live > peak:
+            peak, at = live, n.name
         live -= frees.pop(pos[n], 0)
     return GraphPeak(inputs, peak, at, arena)
 
@@ -144,12 +149,10 @@ def plan_arena_pass(
         (wait,) = start.users
         if start.target == UNIT_GATHER:
             nbytes = units.gather_buffers(start.args[2])
-            labels = ("out", "in")
         else:
             nbytes = units.reduce_buffers(start.args[2], start.args[3])
-            labels = ("in", "out")
-        for label, size in zip(labels, nbytes):
-            names.append((start, f"{start.name}.{label}"))
+        for size in nbytes:
+            names.append((start, f"{start.name}.in"))
             sizes.append((size, pos[start], pos[wait]))
     offsets, size = plan_offsets(sizes)
     by_start: dict[fx.Node, list[int]] = {}

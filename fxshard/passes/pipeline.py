@@ -82,8 +82,8 @@ class GraphRecord:
     schedules: dict[str, Schedule] = field(default_factory=dict)
     arenas: dict[str, ArenaPlan] = field(default_factory=dict)
     units: str = ""  # the model's units, as formatted for the summary
-    full_weights_in_forward: frozenset[str] = frozenset()
-    saved_full_weights: tuple[str, ...] | None = None  # known once the backward is compiled
+    full_weights_in_forward: dict[str, str] = field(default_factory=dict)  # forward node -> parameter
+    saved_full_weights: tuple[str, ...] | None = None  # parameters; known once the backward is compiled
 
     def summary(self) -> str:
         parts = [f"graph {self.index}"]
@@ -166,7 +166,8 @@ class FXShardBackend:
         )(record.captured, example_inputs)
 
     def tag_joint(self, joint: fx.GraphModule, joint_inputs: Any, dumper: Dumper | None) -> fx.GraphModule:
-        tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy))
+        unit_of = self.units.unit_names if self.units is not None else None
+        tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy, unit_of=unit_of))
         return run_passes(joint, joint_inputs, [tag], phase="joint", dumper=dumper)
 
     def _compile_graph(
@@ -205,11 +206,13 @@ class FXShardBackend:
         # The partitioner names the backward's saved inputs after the forward
         # nodes that produced them, so names tell what the forward saved.
         if phase == "forward":
-            names = {v.name for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())}
-            record.full_weights_in_forward = frozenset(names)
+            record.full_weights_in_forward = {
+                v.name: op_arguments(n)["param"] for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())
+            }
         elif phase == "backward":
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-            record.saved_full_weights = tuple(n for n in inputs if n in record.full_weights_in_forward)
+            saved = {record.full_weights_in_forward[n]: None for n in inputs if n in record.full_weights_in_forward}
+            record.saved_full_weights = tuple(saved)
 
 
 def format_units(units: Units) -> str:

@@ -10,15 +10,22 @@ saved full weight. Views and casts of the full weight are tagged too; left
 untagged, the partitioner may save one of them instead (a transposed weight
 is as large as the weight). ``MUST_SAVE`` keeps full weights for backward
 (``reshard_after_forward=False``).
+
+One exception to resharding: the unit the forward gathers last (typically
+the final norm and the output projection) is kept. The backward reads it
+first, right away, so a reshard would free it only to gather it again with
+nothing to overlap the gather with, and peak memory there is the same
+either way (FSDP2 does the same for its root module).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxshard.passes.lower import op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
 
 
@@ -33,20 +40,32 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
-def tag_unshard_graph(graph: fx.Graph, policy: CheckpointPolicy) -> int:
-    """Tag every unshard, and its forward views, with ``policy``; return the count."""
+def tag_unshard_graph(
+    graph: fx.Graph, policy: CheckpointPolicy, unit_of: Callable[[str], Collection[str]] | None = None
+) -> int:
+    """Tag every unshard, and its forward views, with ``policy``; return the
+    count. With ``unit_of`` (a parameter's unit, as parameter names) and
+    ``MUST_RECOMPUTE``, the unit of the forward's last unshard is kept."""
     in_backward = backward_nodes(graph)
-    tagged = 0
-    for node in graph.nodes:
-        if is_unshard(node):
-            for chain_node in full_weight_views(node, exclude=in_backward):
-                chain_node.meta["recompute"] = policy
-            tagged += 1
-    return tagged
+    unshards = [n for n in graph.nodes if is_unshard(n) and n not in in_backward]
+    keep: Collection[str] = ()
+    if unit_of is not None and policy == CheckpointPolicy.MUST_RECOMPUTE and unshards and in_backward:
+        keep = unit_of(op_arguments(unshards[-1])["param"])
+    for node in unshards:
+        tag = CheckpointPolicy.MUST_SAVE if op_arguments(node)["param"] in keep else policy
+        for chain_node in full_weight_views(node, exclude=in_backward):
+            chain_node.meta["recompute"] = tag
+    return len(unshards)
 
 
-def tag_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, policy: CheckpointPolicy) -> fx.GraphModule:
+def tag_unshard_pass(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    policy: CheckpointPolicy,
+    unit_of: Callable[[str], Collection[str]] | None = None,
+) -> fx.GraphModule:
     """Matches every ``fxshard::unshard`` of a joint graph; sets recompute tags
     (see [Note: reshard by recompute]). Does nothing without unshards."""
-    tag_unshard_graph(gm.graph, policy)
+    tag_unshard_graph(gm.graph, policy, unit_of)
     return gm

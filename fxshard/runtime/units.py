@@ -15,26 +15,40 @@ on every rank:
   makes the DTensor parameter hold that view instead; the parameter objects,
   and any optimizer holding them, are unchanged.
 - The all-gather input is the flat shard itself: no copy-in, unless the
-  gather casts it to ``param_dtype`` (the cast is the copy). Its output,
-  ``world_size x numel``, is rank-major. The wait copies it out, in one
-  ``split_with_sizes_copy``, to member-major order: member ``i``'s full
-  parameter is then the first ``dim0_i * row_i`` elements of its
-  ``world_size * slot_i`` block.
+  gather casts it to ``param_dtype`` (the cast is the copy). It is one
+  coalesced all-gather of each member's slot, so its output is member-major
+  already: member ``i``'s full parameter is the first ``dim0_i * row_i``
+  elements of its ``world_size * slot_i`` block, and the graph reads it in
+  place. There is no copy-out.
 - The reduce-scatter input is the reverse: ``_chunk_cat`` (one kernel, with
   the cast to the reduce dtype) lays the full gradients out rank-major, and
-  rank ``r`` receives its slots, summed. The wait divides by the world size
-  and casts to the shard dtype.
+  rank ``r`` receives its slots, averaged (NCCL averages in the collective;
+  other backends sum, and the wait divides in place). The wait casts to the
+  shard dtype only where that differs.
 - A graph that reads only some members still gathers the whole unit (from
   the members' current local shards); a backward reduces only the members
   whose gradients it computes.
 
-The collectives' buffers (gather output, gather input where a cast needs
-one, reduce input and output) are slices of the ``Arena``, one device buffer
-at offsets that the ``plan_arena`` pass computes from each graph's liveness.
-They never appear in a compiled graph: the graph holds a token from the
-``*_start`` op to its ``*_wait`` op, and the wait returns a fresh tensor. So
-Inductor cannot reuse arena memory for its own buffers, and the start keeps
-the input alive until the wait (gloo and NCCL alike).
+Where the buffers live:
+
+- The collectives' *inputs* that are not the shards themselves (the cast
+  gather input, the rank-major reduce input) are slices of the ``Arena``, one
+  device buffer at offsets that the ``plan_arena`` pass computes from each
+  graph's liveness. They never appear in a compiled graph: the graph holds a
+  token from the ``*_start`` op to its ``*_wait`` op, so Inductor can never
+  reuse arena bytes for its own buffers, and the runtime keeps the inputs
+  alive until the wait (gloo and NCCL alike).
+- The *outputs* (the gathered unit, the reduced gradient slots) are fresh
+  tensors, allocated by the start and returned by the wait: they are what
+  the compute reads (the full parameters) and what the optimizer reads (the
+  gradients), so they belong to the graph. Keeping them in the arena would
+  cost a copy out of it for every gather and reduce, because a graph value
+  that aliases memory Inductor does not own is unsafe (Inductor may reuse a
+  dead input's buffer in place for a later value). On the 8B benchmark that
+  copy-out was 28 ms of a 320 ms step, and the divide 4 ms. The outputs are
+  the sizes the liveness plan already counts (``graph_peak``), and under
+  CUDA-graph capture they come from the graph's private pool at fixed
+  addresses.
 """
 
 from __future__ import annotations
@@ -105,7 +119,6 @@ class Unit:
             members.append(Member(info, chunk, row, offset))
             offset += chunk * row
         self.members = tuple(members)
-        self.slots = [m.slot for m in members]  # the split sizes of the copy-out
         self.numel = offset
         first = infos[0]
         self.shard_dtype, self.gather_dtype, self.device = first.shard_dtype, first.gather_dtype, first.device
@@ -211,6 +224,7 @@ class Units:
         self.arena = Arena(params[0].device if params else torch.device("cpu"))
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
+        self._avg: bool | None = None  # whether the reduce-scatter averages (NCCL)
         self.id = next(_ids)
         _UNITS[self.id] = self
 
@@ -257,6 +271,11 @@ class Units:
                 self.unit_of[m.info.fqn] = (index, j)
         log.info("fxshard: %d units over %d parameters", len(self.units), len(self.unit_of))
 
+    def unit_names(self, fqn: str) -> tuple[str, ...]:
+        """The parameters gathered with ``fqn``: its unit's, or itself alone."""
+        where = self.unit_of.get(fqn)
+        return self.units[where[0]].names if where is not None else (fqn,)
+
     def rehome(self) -> None:
         """Move the shards into their units' flat buffers. Called after the
         first call of the model ran as one graph: a model that takes
@@ -270,19 +289,11 @@ class Units:
             self._groups[name] = compat.resolve_group(name)
         return self._groups[name]
 
-    def separate_gather_input(self, unit: Unit) -> bool:
-        """Whether the gather needs its own input buffer: a cast that cannot be
-        written in place into this rank's block of the output (only NCCL
-        gathers in place)."""
-        return unit.gather_dtype != unit.shard_dtype and compat.group_backend(self.group_name) != "nccl"
-
     def gather_buffers(self, unit: int) -> list[int]:
-        """Bytes of each arena buffer a gather of ``unit`` uses: output[, input]."""
+        """Bytes of each arena buffer a gather of ``unit`` uses: the cast input,
+        where the gather casts; none where it sends the flat shard itself."""
         u = self.units[unit]
-        sizes = [u.gather_nbytes()]
-        if self.separate_gather_input(u):
-            sizes.append(u.numel * u.gather_dtype.itemsize)
-        return sizes
+        return [u.numel * u.gather_dtype.itemsize] if u.gather_dtype != u.shard_dtype else []
 
     def reduce_layout(self, unit: int, members: Sequence[int]) -> tuple[int, torch.dtype]:
         """Elements per rank of a reduce of ``members`` of ``unit``, and its dtype."""
@@ -290,50 +301,55 @@ class Units:
         return sum(u.members[j].slot for j in members), u.members[0].info.reduce_dtype
 
     def reduce_buffers(self, unit: int, members: Sequence[int]) -> list[int]:
-        """Bytes of each arena buffer a reduce uses: input (all ranks), output."""
+        """Bytes of each arena buffer a reduce uses: its rank-major input."""
         numel, dtype = self.reduce_layout(unit, members)
-        return [self.world_size * numel * dtype.itemsize, numel * dtype.itemsize]
+        return [self.world_size * numel * dtype.itemsize]
+
+    def _averages(self) -> bool:
+        # NCCL averages inside the reduce-scatter; gloo accepts AVG but returns garbage.
+        if self._avg is None:
+            self._avg = compat.group_backend(self.reduce_group_name) == "nccl"
+        return self._avg
 
     # The runtime side of the unit ops (fxshard::unit_*), run by compiled graphs.
 
     def gather_start(self, unit: int, offsets: Sequence[int]) -> None:
         u = self.units[unit]
-        out = self.arena.view(offsets[0], self.world_size * u.numel, u.gather_dtype)
-        flat = u.flat_shard()
-        if u.gather_dtype == u.shard_dtype:
-            inp = flat
-        elif len(offsets) > 1:
-            inp = self.arena.view(offsets[1], u.numel, u.gather_dtype)
-            inp.copy_(flat)
-        else:  # in place: cast into this rank's block of the output
-            inp = out.view(self.world_size, u.numel)[self.rank]
-            inp.copy_(flat)
-        work = compat.all_gather_async(out, inp, self._group(self.group_name))
-        self._pending[("gather", unit, tuple(offsets))] = (work, inp, out)
+        ws = self.world_size
+        out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
+        inp = u.flat_shard()
+        if offsets:  # cast into the arena
+            cast = self.arena.view(offsets[0], u.numel, u.gather_dtype)
+            cast.copy_(inp)
+            inp = cast
+        inputs = [inp[m.offset : m.offset + m.slot] for m in u.members]
+        outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
+        key = ("gather", unit, tuple(offsets))
+        if key in self._pending:  # one gather per unit per graph (bucket_collectives)
+            raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
+        work = compat.all_gather_coalesced_async(outputs, inputs, self._group(self.group_name))
+        self._pending[key] = (work, inp, out)
 
     def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
         work, _, out = self._pending.pop(("gather", unit, tuple(offsets)))
         work.wait()
-        u = self.units[unit]
-        full = torch.empty(self.world_size * u.numel, dtype=u.gather_dtype, device=u.device)
-        blocks = [full[self.world_size * m.offset : self.world_size * (m.offset + m.slot)].view(self.world_size, m.slot)
-                  for m in u.members]  # fmt: skip
-        torch.split_with_sizes_copy(out.view(self.world_size, u.numel), u.slots, dim=1, out=blocks)
-        return full
+        return out
 
     def reduce_start(self, unit: int, members: Sequence[int], grads: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
         numel, dtype = self.reduce_layout(unit, members)
         inp = self.arena.view(offsets[0], self.world_size * numel, dtype).view(self.world_size, numel)
-        out = self.arena.view(offsets[1], numel, dtype)
+        out = torch.empty(numel, dtype=dtype, device=self.units[unit].device)
         compat.chunk_cat(list(grads), self.world_size, inp)
-        work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name))
+        work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name),
+                                           average=self._averages())  # fmt: skip
         self._pending[("reduce", unit, tuple(offsets))] = (work, inp, out)
 
     def reduce_wait(self, unit: int, members: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
         work, _, out = self._pending.pop(("reduce", unit, tuple(offsets)))
         work.wait()
-        shard_dtype = self.units[unit].shard_dtype
-        return torch.div(out, self.world_size).to(shard_dtype)
+        if not self._averages():
+            out.div_(self.world_size)
+        return out.to(self.units[unit].shard_dtype)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -406,7 +422,7 @@ def _(grads, units, unit, members, offsets):
 @torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=())
 def unit_reduce_wait(token: torch.Tensor, units: int, unit: int, members: list[int], offsets: list[int]) -> torch.Tensor:
     """Wait for the reduce; return this rank's averaged gradient slots, end to
-    end, in the shard dtype."""
+    end, in the shard dtype (the collective's own output where that is its dtype)."""
     return units_of(units).reduce_wait(unit, members, offsets)
 
 
