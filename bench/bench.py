@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fxshard  # noqa: E402
+from fxshard.runtime import compat  # noqa: E402
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 
 SEQ = 2048
@@ -55,6 +56,9 @@ PROFILE = 0  # profile the last N steps (--profile)
 
 
 FXSHARD_KWARGS: dict = {}
+# torch.compile's own phase timers, as printed (see compat.compile_phase_times)
+COMPILE_PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_graph", "create_aot_dispatcher_function",
+                  "compile_fx_inner", "backward._backward_impl", "_compile.compile_inner")  # fmt: skip
 
 
 def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
@@ -93,6 +97,7 @@ def run_system(system: str, name: str, mesh) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     profiler = None
+    compat.compile_phase_times(reset=True)
     for i, tokens in enumerate(batches):
         if PROFILE and i == len(batches) - PROFILE:
             activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
@@ -106,6 +111,8 @@ def run_system(system: str, name: str, mesh) -> dict:
         sync()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        if i == 0:
+            first_step_phases = compat.compile_phase_times()
     if profiler is not None:
         profiler.__exit__(None, None, None)
     peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
@@ -116,6 +123,7 @@ def run_system(system: str, name: str, mesh) -> dict:
         model=name, system=system, params=params, batch=batch, seq=SEQ, world_size=dist.get_world_size(),
         step_ms=step * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / step, tflops_per_gpu=flops / step / 1e12,
         peak_gib=peak / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
+        first_step_compile_s=first_step_phases,
         losses=losses, step_times_ms=[t * 1e3 for t in times],
     )  # fmt: skip
     if system == "fxshard":
@@ -208,6 +216,10 @@ def table(results: list[dict]) -> str:
             p = r["profile"]
             rows.append(f"\n{r['system']} {r['model']} profile per step: compute busy {p['compute_busy_ms']:.1f} ms, "
                         f"NCCL {p['nccl_ms']:.1f} ms, exposed NCCL {p['exposed_nccl_ms']:.1f} ms")  # fmt: skip
+        phases = r.get("first_step_compile_s") or {}
+        if phases:
+            shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)
+            rows.append(f"\n{r['system']} {r['model']} first step, compile phases (s): {shown}")
         if r.get("predicted_peak_gib") is not None:
             rows.append(f"\nfxshard {r['model']}: {r['units']} units, arena {r['arena_mib']:.0f} MiB, predicted peak "
                         f"{r['predicted_peak_gib']:.2f} GiB (measured {r['peak_gib']:.2f})")  # fmt: skip

@@ -34,6 +34,7 @@ if "inner_compile" not in inspect.signature(compile_fx).parameters:
 __all__ = [
     "CustomGraphPass",
     "size_hint",
+    "compile_phase_times",
     "all_gather_async",
     "all_gather_coalesced_async",
     "reduce_scatter_async",
@@ -241,6 +242,19 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: Any, avera
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return fn(out, inp, op=op, group=group, async_op=True)
+
+
+def compile_phase_times(reset: bool = False) -> dict[str, float]:
+    """Seconds torch.compile spent per phase so far in this process (dynamo
+    tracing, AOTAutograd, Inductor, ...), summed over graphs; ``reset``
+    clears the counters. For benchmarks' first-step breakdowns."""
+    from torch._dynamo import utils
+
+    metrics = getattr(utils, "compilation_time_metrics", {})
+    times = {name: float(sum(values)) for name, values in metrics.items()}
+    if reset:
+        metrics.clear()
+    return times
 
 
 def size_hint(value: Any) -> int:
