@@ -5,7 +5,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1 > $OU
 python -c "import torch; print(torch.__version__, torch.cuda.nccl.version())" >> $OUT/env.txt
 for model in ${MODELS:-1b 8b}; do
   timeout ${MODEL_TIMEOUT:-420} torchrun --nproc-per-node 4 bench/bench.py --model $model --out $OUT/bench-$model.json \
-    > $OUT/bench-$model.log 2>&1
-  grep -v Warning $OUT/bench-$model.log | grep "^|\|^fxshard\|Error" | tail -8
+    $BENCH_ARGS > $OUT/bench-$model.log 2>&1
+  grep -v Warning $OUT/bench-$model.log | grep "^|\|^fxshard\|^fsdp2\|Error" | tail -12
 done
 python bench/plot.py $OUT/bench-*.json --out $OUT/bench.png 2>&1 | tail -2
