@@ -170,5 +170,4 @@ def plan_arena_pass(
     plan = ArenaPlan(buffers, size, graph_peak(gm.graph, size))
     if record is not None:
         record.append(plan)
-    gm.recompile()
     return gm

@@ -114,5 +114,4 @@ def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
             node.replace_all_uses_with(views[j])
             graph.erase_node(node)
     graph.lint()
-    gm.recompile()
     return gm

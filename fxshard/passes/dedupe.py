@@ -42,5 +42,4 @@ def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx
         if isinstance(shard, fx.Node) and not shard.users and shard.op == "call_method" and shard.target == "to_local":
             gm.graph.erase_node(shard)
     gm.graph.lint()
-    gm.recompile()
     return gm

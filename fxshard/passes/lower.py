@@ -105,5 +105,4 @@ def lower_collectives_pass(
     for lowering in plan:
         _inline(gm.graph, lowering, fake_mode, decompositions)
     gm.graph.lint()
-    gm.recompile()
     return gm

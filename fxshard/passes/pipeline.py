@@ -167,7 +167,8 @@ class FXShardBackend:
 
     def tag_joint(self, joint: fx.GraphModule, joint_inputs: Any, dumper: Dumper | None) -> fx.GraphModule:
         unit_of = self.units.unit_names if self.units is not None else None
-        tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy, unit_of=unit_of))
+        tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy, unit_of=unit_of),
+                        edits_graph=False)  # fmt: skip
         return run_passes(joint, joint_inputs, [tag], phase="joint", dumper=dumper)
 
     def _compile_graph(

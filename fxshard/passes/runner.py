@@ -27,6 +27,7 @@ PassFn = Callable[[fx.GraphModule, Sequence[Any]], fx.GraphModule]
 class GraphPass:
     name: str
     fn: PassFn
+    edits_graph: bool = True  # False: it only sets node metadata (no code to regenerate)
 
 
 def op_counts(gm: fx.GraphModule) -> Counter[str]:
@@ -51,13 +52,17 @@ def run_passes(
     phase: str,
     dumper: Dumper | None,
 ) -> fx.GraphModule:
-    """Apply ``passes`` in order to the ``phase`` graph (forward, backward...)."""
+    """Apply ``passes`` in order to the ``phase`` graph (forward, backward...).
+    Passes edit ``gm.graph``; its Python code is regenerated once, at the end
+    (and before each dump), not after every pass: on an 8B model's graphs a
+    ``recompile`` takes about a second."""
     skip = disabled_passes()
     for index, graph_pass in enumerate(passes):
         if graph_pass.name in skip:
             log.warning("fxshard: pass %s disabled by FXSHARD_DISABLE_PASSES", graph_pass.name)
             continue
         if dumper:
+            gm.recompile()
             dumper.graph(f"{phase}/{index:02d}_{graph_pass.name}.before", gm)
         counts = op_counts(gm)
         start = time.perf_counter()
@@ -65,5 +70,8 @@ def run_passes(
         elapsed_ms = (time.perf_counter() - start) * 1e3
         log.info("fxshard %s: %s took %.1f ms (%s)", phase, graph_pass.name, elapsed_ms, _diff(counts, op_counts(gm)))
         if dumper:
+            gm.recompile()
             dumper.graph(f"{phase}/{index:02d}_{graph_pass.name}.after", gm)
+    if any(p.edits_graph and p.name not in skip for p in passes):
+        gm.recompile()
     return gm

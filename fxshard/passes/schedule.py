@@ -169,5 +169,4 @@ def schedule_collectives_pass(
     schedule = schedule_collectives(gm.graph, unit_bytes, prefetch, max_reduces_in_flight)
     if record is not None:
         record.append(schedule)
-    gm.recompile()
     return gm

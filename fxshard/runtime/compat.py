@@ -137,6 +137,29 @@ def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) ->
     # peak-memory reordering would move them (a wait early, a prefetch late).
     if hasattr(inductor_config, "reorder_for_peak_memory"):
         patches["reorder_for_peak_memory"] = False
+    patches.update(_env_inductor_config(inductor_config))
+    return patches
+
+
+def _env_inductor_config(inductor_config: Any) -> dict[str, Any]:
+    """``FXSHARD_INDUCTOR_CONFIG="pattern_matcher=0,triton.autotune_pointwise=0"``:
+    more Inductor options for fxshard's compiles, parsed as the option's type."""
+    import os
+
+    patches: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in os.environ.get("FXSHARD_INDUCTOR_CONFIG", "").split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: expected key=value, got {item!r}")
+        config = inductor_config.get_config_copy()
+        if key not in config:
+            raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: torch._inductor.config has no option {key!r}")
+        value: Any = raw
+        if isinstance(config[key], bool):
+            value = raw.lower() in ("1", "true", "yes")
+        elif isinstance(config[key], (int, float)):
+            value = type(config[key])(raw)
+        patches[key] = value
     return patches
 
 
