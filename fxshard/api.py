@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.policy import MixedPrecision
+from fxshard.runtime import compat
 from fxshard.runtime.units import Units
 from fxshard.sharding import FXShardModule, ParamShard, RootState, shard_parameters
 
@@ -197,6 +198,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    if backend == "inductor":
+        compat.env_inductor_config()  # a bad FXSHARD_INDUCTOR_CONFIG fails here, not inside dynamo
     explicit = _explicit_units(model, units)
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")

@@ -89,3 +89,19 @@ def test_meta_parameters_are_a_known_gap(fake_pg):
         model = nn.Linear(4, 4)
     with pytest.raises(NotImplementedError, match="to_empty"):
         fxshard.compile(model)
+
+
+@pytest.mark.parametrize("value, match", [("no_such_option=1", "no option 'no_such_option'"),
+                                          ("pattern_matcher", "expected key=value"),
+                                          ("compile_threads=many", "compile_threads takes int")])  # fmt: skip
+def test_bad_inductor_config_from_environment(fake_pg, monkeypatch, value, match):
+    monkeypatch.setenv("FXSHARD_INDUCTOR_CONFIG", value)
+    with pytest.raises(ValueError, match=match):
+        fxshard.compile(nn.Linear(4, 4))
+
+
+def test_inductor_config_from_environment_is_parsed_as_the_option_type(monkeypatch):
+    from fxshard.runtime import compat
+
+    monkeypatch.setenv("FXSHARD_INDUCTOR_CONFIG", "pattern_matcher = 0, compile_threads=4")
+    assert compat.env_inductor_config() == {"pattern_matcher": False, "compile_threads": 4}

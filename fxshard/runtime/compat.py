@@ -48,6 +48,7 @@ __all__ = [
     "compile_fx_inner",
     "detect_fake_mode",
     "inductor_config_patches",
+    "env_inductor_config",
     "inductor_decompositions",
     "is_graph_break",
     "graph_break_reason",
@@ -137,18 +138,21 @@ def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) ->
     # peak-memory reordering would move them (a wait early, a prefetch late).
     if hasattr(inductor_config, "reorder_for_peak_memory"):
         patches["reorder_for_peak_memory"] = False
-    patches.update(_env_inductor_config(inductor_config))
+    patches.update(env_inductor_config())
     return patches
 
 
-def _env_inductor_config(inductor_config: Any) -> dict[str, Any]:
+def env_inductor_config() -> dict[str, Any]:
     """``FXSHARD_INDUCTOR_CONFIG="pattern_matcher=0,triton.autotune_pointwise=0"``:
-    more Inductor options for fxshard's compiles, parsed as the option's type."""
+    more Inductor options for fxshard's compiles, parsed as the option's type.
+    ``fxshard.compile`` calls it first, so a bad value fails there."""
     import os
+
+    import torch._inductor.config as inductor_config
 
     patches: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in os.environ.get("FXSHARD_INDUCTOR_CONFIG", "").split(","))):
-        key, sep, raw = item.partition("=")
+        key, sep, raw = (part.strip() for part in item.partition("="))
         if not sep:
             raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: expected key=value, got {item!r}")
         config = inductor_config.get_config_copy()
@@ -158,7 +162,10 @@ def _env_inductor_config(inductor_config: Any) -> dict[str, Any]:
         if isinstance(config[key], bool):
             value = raw.lower() in ("1", "true", "yes")
         elif isinstance(config[key], (int, float)):
-            value = type(config[key])(raw)
+            try:
+                value = type(config[key])(raw)
+            except ValueError:
+                raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: {key} takes {type(config[key]).__name__}, got {raw!r}") from None
         patches[key] = value
     return patches
 
