@@ -216,7 +216,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch)  # fmt: skip
         if mesh.size() > 1:
-            unit_plan = Units(state.infos, mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name,
+            unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
                               reduce_group.group_name, explicit)  # fmt: skip
             state.after_first_call = unit_plan.rehome
         compiled = FXShardBackend(spec, unit_plan)

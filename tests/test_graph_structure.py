@@ -101,7 +101,8 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
     units = model.fxshard_plan.units
     sent = {}
     gather, reduce = compat.all_gather_coalesced_async, compat.reduce_scatter_async
-    monkeypatch.setattr(compat, "all_gather_coalesced_async", lambda o, i, g: sent.update(gather=(o, i)) or gather(o, i, g))
+    monkeypatch.setattr(compat, "all_gather_coalesced_async",
+                        lambda o, i, g, **kw: sent.update(gather=(o, i)) or gather(o, i, g, **kw))  # fmt: skip
     monkeypatch.setattr(compat, "reduce_scatter_async",
                         lambda o, i, g, **kw: sent.update(reduce=o) or reduce(o, i, g, **kw))  # fmt: skip
     unit = units.units[1]
@@ -209,7 +210,8 @@ def test_mixed_precision_casts_before_the_collectives(fake_pg, monkeypatch):
     sent = {"gather": set(), "reduce": set()}
     gather, reduce = compat.all_gather_coalesced_async, compat.reduce_scatter_async
     monkeypatch.setattr(compat, "all_gather_coalesced_async",
-                        lambda o, i, g: sent["gather"].update(t.dtype for t in i) or gather(o, i, g))  # fmt: skip
+                        lambda o, i, g, **kw: sent["gather"].update(t.dtype for t in i)
+                        or gather(o, i, g, **kw))  # fmt: skip
     monkeypatch.setattr(compat, "reduce_scatter_async",
                         lambda o, i, g, **kw: sent["reduce"].add(i.dtype) or reduce(o, i, g, **kw))  # fmt: skip
     record = _train_once(model, mp_policy=mp, unit_mb=0.003)
@@ -311,7 +313,8 @@ def test_reduces_on_their_own_group(fake_pg, monkeypatch):
     can overlap the backward's all-gathers."""
     groups = {"gather": set(), "reduce": set()}
     gather, reduce = compat.all_gather_coalesced_async, compat.reduce_scatter_async
-    monkeypatch.setattr(compat, "all_gather_coalesced_async", lambda o, i, g: groups["gather"].add(g) or gather(o, i, g))
+    monkeypatch.setattr(compat, "all_gather_coalesced_async",
+                        lambda o, i, g, **kw: groups["gather"].add(g) or gather(o, i, g, **kw))  # fmt: skip
     monkeypatch.setattr(compat, "reduce_scatter_async",
                         lambda o, i, g, **kw: groups["reduce"].add(g) or reduce(o, i, g, **kw))  # fmt: skip
     _train_once(models.TinyLlama(), unit_mb=0.003)

@@ -151,11 +151,11 @@ def env_inductor_config() -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     patches: dict[str, Any] = {}
+    config = inductor_config.get_config_copy()
     for item in filter(None, (s.strip() for s in os.environ.get("FXSHARD_INDUCTOR_CONFIG", "").split(","))):
         key, sep, raw = (part.strip() for part in item.partition("="))
         if not sep:
             raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: expected key=value, got {item!r}")
-        config = inductor_config.get_config_copy()
         if key not in config:
             raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: torch._inductor.config has no option {key!r}")
         value: Any = raw
@@ -165,7 +165,8 @@ def env_inductor_config() -> dict[str, Any]:
             try:
                 value = type(config[key])(raw)
             except ValueError:
-                raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: {key} takes {type(config[key]).__name__}, got {raw!r}") from None
+                kind = type(config[key]).__name__
+                raise ValueError(f"FXSHARD_INDUCTOR_CONFIG: {key} takes {kind}, got {raw!r}") from None
         patches[key] = value
     return patches
 
@@ -237,17 +238,15 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     return fn(out, inp, group=group, async_op=True)
 
 
-def all_gather_coalesced_async(outs: list[torch.Tensor], inps: list[torch.Tensor], group: Any) -> Any:
+def all_gather_coalesced_async(outs: list[torch.Tensor], inps: list[torch.Tensor], group: Any, coalesce: bool) -> Any:
     """Start one all-gather of each ``inps[i]`` into ``outs[i]``
-    (``world_size`` times as large); returns one Work for all. On NCCL it is
-    one coalesced collective, one group launch (``ProcessGroup`` has had
-    ``allgather_into_tensor_coalesced`` since torch 2.1). Elsewhere it is one
-    all-gather each: gloo's coalesced all-gather corrupted the heap here
-    (torch 2.13, two ranks, several in flight: 3 crashes in 10 runs of the
-    example, none in 12 with one all-gather each)."""
-    import torch.distributed as dist
-
-    if str(dist.get_backend(group)) == "nccl":
+    (``world_size`` times as large); returns one Work for all. With
+    ``coalesce`` (NCCL) it is one coalesced collective, one group launch
+    (``ProcessGroup`` has had ``allgather_into_tensor_coalesced`` since torch
+    2.1). Without, one all-gather each: gloo's coalesced all-gather corrupted
+    the heap here (torch 2.13, two ranks, several in flight: 3 crashes in 10
+    runs of the example, none in 12 with one all-gather each)."""
+    if coalesce:
         return group.allgather_into_tensor_coalesced(outs, inps)
     return _AllWork([all_gather_async(o, i, group) for o, i in zip(outs, inps)])
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -112,9 +113,7 @@ class Unit:
         self.world_size = world_size
         members, offset = [], 0
         for info in infos:
-            row = 1
-            for d in info.shape[1:]:
-                row *= d
+            row = math.prod(info.shape[1:])
             chunk = chunk_rows(info.shape[0], world_size)
             members.append(Member(info, chunk, row, offset))
             offset += chunk * row
@@ -210,13 +209,12 @@ class Units:
         self,
         params: Sequence[ParamInfo],
         world_size: int,
-        rank: int,
         group_name: str,
         reduce_group_name: str,
         explicit: Sequence[Sequence[str]] = (),
     ) -> None:
         self.params = {p.fqn: p for p in params}
-        self.world_size, self.rank = world_size, rank
+        self.world_size = world_size
         self.group_name, self.reduce_group_name = group_name, reduce_group_name
         self.explicit = tuple(tuple(g) for g in explicit)  # fqn groups the user listed as units
         self.units: list[Unit] = []
@@ -224,7 +222,7 @@ class Units:
         self.arena = Arena(params[0].device if params else torch.device("cpu"))
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
-        self._avg: bool | None = None  # whether the reduce-scatter averages (NCCL)
+        self._nccl: bool | None = None  # decided on the first collective, when the group exists
         self.id = next(_ids)
         _UNITS[self.id] = self
 
@@ -260,7 +258,7 @@ class Units:
                 groups.append(current)
                 current, size = [], 0
             current.append(info)
-            size += _numel(info.shape) * info.gather_dtype.itemsize
+            size += math.prod(info.shape) * info.gather_dtype.itemsize
         if current:
             groups.append(current)
         groups.sort(key=lambda g: order[g[0].fqn])
@@ -305,11 +303,13 @@ class Units:
         numel, dtype = self.reduce_layout(unit, members)
         return [self.world_size * numel * dtype.itemsize]
 
-    def _averages(self) -> bool:
-        # NCCL averages inside the reduce-scatter; gloo accepts AVG but returns garbage.
-        if self._avg is None:
-            self._avg = compat.group_backend(self.reduce_group_name) == "nccl"
-        return self._avg
+    def _on_nccl(self) -> bool:
+        """NCCL coalesces a unit's all-gathers and averages inside the
+        reduce-scatter; gloo's coalesced all-gather corrupted the heap, and
+        its AVG returns garbage (see ``compat.all_gather_coalesced_async``)."""
+        if self._nccl is None:
+            self._nccl = compat.group_backend(self.group_name) == "nccl"
+        return self._nccl
 
     # The runtime side of the unit ops (fxshard::unit_*), run by compiled graphs.
 
@@ -327,7 +327,8 @@ class Units:
         key = ("gather", unit, tuple(offsets))
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
-        work = compat.all_gather_coalesced_async(outputs, inputs, self._group(self.group_name))
+        group = self._group(self.group_name)
+        work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl())
         self._pending[key] = (work, inp, out)
 
     def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
@@ -341,22 +342,15 @@ class Units:
         out = torch.empty(numel, dtype=dtype, device=self.units[unit].device)
         compat.chunk_cat(list(grads), self.world_size, inp)
         work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name),
-                                           average=self._averages())  # fmt: skip
+                                           average=self._on_nccl())  # fmt: skip
         self._pending[("reduce", unit, tuple(offsets))] = (work, inp, out)
 
     def reduce_wait(self, unit: int, members: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
         work, _, out = self._pending.pop(("reduce", unit, tuple(offsets)))
         work.wait()
-        if not self._averages():
+        if not self._on_nccl():
             out.div_(self.world_size)
         return out.to(self.units[unit].shard_dtype)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _dtype_key(info: ParamInfo) -> tuple:
