@@ -222,7 +222,7 @@ class Units:
         self.arena = Arena(params[0].device if params else torch.device("cpu"))
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
-        self._nccl: bool | None = None  # decided on the first collective, when the group exists
+        self._nccl: dict[str, bool] = {}  # group name -> whether it is NCCL, on first use
         self.id = next(_ids)
         _UNITS[self.id] = self
 
@@ -303,13 +303,13 @@ class Units:
         numel, dtype = self.reduce_layout(unit, members)
         return [self.world_size * numel * dtype.itemsize]
 
-    def _on_nccl(self) -> bool:
+    def _on_nccl(self, name: str) -> bool:
         """NCCL coalesces a unit's all-gathers and averages inside the
         reduce-scatter; gloo's coalesced all-gather corrupted the heap, and
         its AVG returns garbage (see ``compat.all_gather_coalesced_async``)."""
-        if self._nccl is None:
-            self._nccl = compat.group_backend(self.group_name) == "nccl"
-        return self._nccl
+        if name not in self._nccl:
+            self._nccl[name] = compat.group_backend(name) == "nccl"
+        return self._nccl[name]
 
     # The runtime side of the unit ops (fxshard::unit_*), run by compiled graphs.
 
@@ -328,7 +328,7 @@ class Units:
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
         group = self._group(self.group_name)
-        work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl())
+        work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
         self._pending[key] = (work, inp, out)
 
     def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
@@ -342,13 +342,13 @@ class Units:
         out = torch.empty(numel, dtype=dtype, device=self.units[unit].device)
         compat.chunk_cat(list(grads), self.world_size, inp)
         work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name),
-                                           average=self._on_nccl())  # fmt: skip
+                                           average=self._on_nccl(self.reduce_group_name))  # fmt: skip
         self._pending[("reduce", unit, tuple(offsets))] = (work, inp, out)
 
     def reduce_wait(self, unit: int, members: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
         work, _, out = self._pending.pop(("reduce", unit, tuple(offsets)))
         work.wait()
-        if not self._on_nccl():
+        if not self._on_nccl(self.reduce_group_name):
             out.div_(self.world_size)
         return out.to(self.units[unit].shard_dtype)
 
