@@ -149,6 +149,21 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
+def _count_group(mesh: DeviceMesh) -> str:
+    """A CPU group over the mesh's ranks, on which sharded embedding lookups
+    compare token counts without touching the device stream (see [Note:
+    sharded lookups]): the mesh's own group where it is gloo, a new gloo
+    group otherwise (every rank calls compile, so every rank creates it),
+    and "" for the fake group, which moves no data."""
+    group = mesh.get_group()
+    backend = str(dist.get_backend(group))
+    if backend == "fake":
+        return ""
+    if backend == "gloo":
+        return group.group_name
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo").group_name
+
+
 def compile(  # noqa: A001 - the public name, as in torch.compile
     model: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -159,6 +174,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     prefetch: int = 1,
     unit_mb: float = 256,
     units: list[nn.Module] | None = None,
+    sharded_embeddings: bool = True,
     debug_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
@@ -183,6 +199,11 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     - ``units``: modules, each of which becomes one unit (its parameters not
       in a deeper listed module), instead of forming units by size. The
       parameters of no listed module form units by size.
+    - ``sharded_embeddings``: an embedding table that compiled code reads only
+      through ``F.embedding`` (``nn.Embedding``, not tied to an output
+      projection) is never gathered: ranks exchange token ids and rows, and
+      each rank reduces its own rows' gradient (see [Note: sharded lookups]).
+      False gathers it like any weight.
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
     """
     _check_model(model)
@@ -198,6 +219,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    if not isinstance(sharded_embeddings, bool):
+        raise ValueError(f"sharded_embeddings must be True or False, got {sharded_embeddings!r}")
     if backend == "inductor":
         compat.env_inductor_config()  # a bad FXSHARD_INDUCTOR_CONFIG fails here, not inside dynamo
     explicit = _explicit_units(model, units)
@@ -213,8 +236,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     graphs: list[GraphRecord] = []
     unit_plan = None
     if backend != "eager":
+        count_group = _count_group(mesh) if sharded_embeddings and mesh.size() > 1 else None
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
-                           mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch)  # fmt: skip
+                           mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
+                           count_group)  # fmt: skip
         if mesh.size() > 1:
             unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
                               reduce_group.group_name, explicit)  # fmt: skip

@@ -77,6 +77,20 @@ class MambaStyle(nn.Module):
         return self.head(x)
 
 
+class SmallVocab(nn.Module):
+    """An embedding of 3 rows: at world size 4, rank 3 holds none of them.
+    A second table reads padding_idx, so it keeps its gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(3, 8)
+        self.pos = nn.Embedding(5, 8, padding_idx=0)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device) % 5))
+
+
 class Uneven(nn.Module):
     """Parameters whose dim 0 is not divisible by 2, 3 or 4, or smaller than the
     world size: some ranks hold a ragged shard, some hold nothing."""

@@ -55,7 +55,17 @@ def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
+def _ragged_tokens(gen: torch.Generator) -> torch.Tensor:
+    """Even steps: 9 tokens per row on every rank. Odd steps: 5 + rank, so
+    ranks look up different token counts (the generator's seed encodes the
+    step and rank; see train_and_compare)."""
+    seed = gen.initial_seed()
+    step, rank = seed // 1000, seed % 1000 // 10
+    return torch.randint(0, 37, (2, 9 if step % 2 == 0 else 5 + rank), generator=gen)
+
+
 LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=lm_loss)
+UNTIED = dict(make_model=lambda: models.TinyLlama(tie=False), loss=lm_loss)
 MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
 SCENARIOS: dict[str, Scenario] = {
     "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), clip_norm=0.5, sequenced=False),
@@ -72,6 +82,14 @@ SCENARIOS: dict[str, Scenario] = {
         make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
         compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False),
     ),
+    # Untied embedding: the lookup moves tokens, not the table (see [Note:
+    # sharded lookups]); with ragged token counts it gathers on odd steps.
+    "llama_untied_ragged": Scenario(**UNTIED, make_batch=_ragged_tokens, compile_kwargs=dict(backend="aot_eager"),
+                                    steps=4),
+    "embedding_empty_shard": Scenario(
+        make_model=models.SmallVocab, make_batch=lambda g: torch.randint(0, 3, (2, 7), generator=g), loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+    ),
     "frozen": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), freeze=("embed.", "layers.0.attn.")),
     "graph_breaks": Scenario(
         make_model=models.GraphBreaks, make_batch=lambda g: torch.randn(4, 6, generator=g), loss=_mse,
@@ -87,7 +105,7 @@ SCENARIOS: dict[str, Scenario] = {
         compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
     ),
     "mixed_precision_bf16_inductor": Scenario(  # small units, two in flight: casts, bucketing and prefetch
-        **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
+        **UNTIED, make_batch=_tokens, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
         compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
                             unit_mb=0.003, prefetch=2),
     ),
@@ -234,10 +252,32 @@ def routed_experts_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def sharded_lookup_check(rank: int, world_size: int) -> dict:
+    """llama_untied_ragged, and the way each lookup ran: the embedding is
+    never gathered in the graphs; the lookups are sharded on steps where every
+    rank has the same token count and gathered on the others."""
+    from fxshard.runtime import embedding
+
+    before = dict(embedding.stats)
+    model = train_and_compare(rank, world_size, SCENARIOS["llama_untied_ragged"])["model"]
+    ran = {k: embedding.stats[k] - before[k] for k in before}
+    if world_size == 1:
+        assert ran == {"sharded": 0, "gathered": 0}, ran
+        return {}
+    # 4 steps, a forward and a backward each: 2 steps sharded, 2 gathered.
+    assert ran == {"sharded": 4, "gathered": 4}, ran
+    graphs = model.fxshard_plan.graphs
+    assert graphs and all(g.sharded_lookups == ("embed.weight",) for g in graphs), [g.sharded_lookups for g in graphs]
+    assert "embed.weight" not in model.fxshard_plan.units.unit_of
+    return {}
+
+
 def _registry() -> tuple[dict[str, Callable[[int, int], Any]], dict[str, Scenario]]:
     from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
 
-    return {"eval_no_grad": eval_no_grad_check, "routed_experts_differ": routed_experts_check, **HF_CHECKS}, {**SCENARIOS, **HF_SCENARIOS}
+    checks = {"eval_no_grad": eval_no_grad_check, "routed_experts_differ": routed_experts_check,
+              "sharded_lookups": sharded_lookup_check, **HF_CHECKS}  # fmt: skip
+    return checks, {**SCENARIOS, **HF_SCENARIOS}
 
 
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:

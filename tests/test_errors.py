@@ -63,6 +63,7 @@ def test_parameters_already_dtensors(fake_pg):
         (dict(backend="tvm"), "backend must be one of"),
         (dict(mp_policy=torch.bfloat16), "mp_policy must be fxshard.MixedPrecision"),
         (dict(reshard_after_forward="yes"), "reshard_after_forward must be True or False"),
+        (dict(sharded_embeddings=1), "sharded_embeddings must be True or False"),
     ],
 )
 def test_bad_options(fake_pg, kwargs, match):

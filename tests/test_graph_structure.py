@@ -70,7 +70,9 @@ def test_one_collective_per_unit(fake_pg):
     assert len(units.units) == 1 and len(units.unit_of) == len(model.fxshard_plan.params)
     assert len(_nodes(record.forward, AG)) == 1 and len(_nodes(record.backward, AG)) == 0
     (reduce,) = _nodes(record.backward, RS)
-    assert len(reduce.args[0]) == len(model.fxshard_plan.params)  # every gradient, in one reduce-scatter
+    assert reduce.args[3] == list(range(len(model.fxshard_plan.params)))  # every gradient, in one reduce-scatter
+    layout = reduce.args[0]  # built in the graph: one cat of every gradient, cast to the reduce dtype
+    assert layout.target == torch.ops.aten.cat.default and len(layout.args[0]) == len(model.fxshard_plan.params)
     assert "units: 1, one all-gather and one reduce-scatter each" in record.summary()
 
 
@@ -104,7 +106,7 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
     monkeypatch.setattr(compat, "all_gather_coalesced_async",
                         lambda o, i, g, **kw: sent.update(gather=(o, i)) or gather(o, i, g, **kw))  # fmt: skip
     monkeypatch.setattr(compat, "reduce_scatter_async",
-                        lambda o, i, g, **kw: sent.update(reduce=o) or reduce(o, i, g, **kw))  # fmt: skip
+                        lambda o, i, g, **kw: sent.update(reduce=(o, i)) or reduce(o, i, g, **kw))  # fmt: skip
     unit = units.units[1]
     units.gather_start(unit.index, [])
     full = units.gather_wait(unit.index, [])
@@ -114,11 +116,11 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
         assert out.data_ptr() == full.data_ptr() + ws * m.offset * full.itemsize and out.numel() == ws * m.slot
         assert inp.data_ptr() == unit.flat.data_ptr() + m.offset * unit.flat.itemsize and inp.numel() == m.slot
     members = list(range(len(unit.members)))
-    offset = units.arena.size  # any aligned offset past the planned ones
-    offset += -offset % 256
-    grads = [torch.ones(m.info.shape) for m in unit.members]
-    units.reduce_start(unit.index, members, grads, [offset])
-    assert units.reduce_wait(unit.index, members, [offset]) is sent["reduce"]
+    numel, dtype = units.reduce_layout(unit.index, members)
+    inp = torch.ones(ws, numel, dtype=dtype)
+    units.reduce_start(unit.index, members, inp)
+    assert units.reduce_wait(unit.index, members) is sent["reduce"][0]
+    assert sent["reduce"][1].data_ptr() == inp.data_ptr()  # the graph's input, not a copy
 
 
 def test_explicit_units_override(fake_pg):
@@ -180,11 +182,21 @@ def test_reduce_scatter_after_gradient_complete(fake_pg):
 def test_frozen_parameters_are_gathered_not_reduced(fake_pg):
     model = models.TinyLlama(tie=False)
     model.embed.weight.requires_grad_(False)
-    record = _train_once(model)
+    record = _train_once(model, sharded_embeddings=False)
     forward, backward = record.reports["forward"], record.reports["backward"]
     assert "embed.weight" in {s.param for s in forward.sites if s.kind == "unshard"}
     assert "embed.weight" not in {s.param for s in backward.sites if s.kind == "reduce"}
     assert backward.count("reduce") == len(model.fxshard_plan.params) - 1
+
+
+def test_frozen_sharded_lookup_has_no_backward(fake_pg):
+    from fxshard.runtime.embedding import EMBEDDING, EMBEDDING_BACKWARD
+
+    model = models.TinyLlama(tie=False)
+    model.embed.weight.requires_grad_(False)
+    record = _train_once(model)
+    assert len(_nodes(record.forward, EMBEDDING)) == 1 and not _nodes(record.backward, EMBEDDING_BACKWARD)
+    assert record.reports["backward"].count("reduce") == len(model.fxshard_plan.params) - 1
 
 
 def test_no_grad_forward_gathers_and_never_reduces(fake_pg):
@@ -372,3 +384,31 @@ def test_plan_offsets_random_intervals():
             for j, (s2, f2, l2) in enumerate(buffers[:i]):
                 if f1 <= l2 and f2 <= l1:
                     assert offsets[i] + s1 <= offsets[j] or offsets[j] + s2 <= offsets[i]
+
+
+def test_untied_embedding_lookup_moves_tokens_not_the_table(fake_pg):
+    """An embedding read only by F.embedding (default options) becomes
+    fxshard::embedding on the local shard: no gather, no reduce, no unit. A
+    table tied to the output projection, or one with a padding row, keeps
+    its gather; so does every table with sharded_embeddings=False."""
+    from fxshard.runtime.embedding import EMBEDDING, EMBEDDING_BACKWARD
+
+    model = models.TinyLlama(tie=False)
+    record = _train_once(model)
+    assert record.sharded_lookups == ("embed.weight",)
+    assert "embed.weight" not in model.fxshard_plan.units.unit_of
+    (lookup,) = _nodes(record.captured, EMBEDDING)
+    assert lookup.args[7] == "embed.weight" and lookup.args[1].op == "placeholder"  # the local shard itself
+    assert len(_nodes(record.forward, EMBEDDING)) == 1 and len(_nodes(record.backward, EMBEDDING_BACKWARD)) == 1
+    assert "sharded embedding lookups (tokens move, not the table): embed.weight" in record.summary()
+
+    for model in (models.TinyLlama(tie=True), models.TinyLlama(tie=False)):
+        record = _train_once(model, sharded_embeddings=model.embed.weight is model.output.weight)
+        assert record.sharded_lookups == () and not _nodes(record.captured, EMBEDDING)
+        assert "embed.weight" in model.fxshard_plan.units.unit_of
+
+    model = models.SmallVocab()
+    fxshard.compile(model, backend="aot_eager")
+    model(torch.randint(0, 3, (2, 5))).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    assert record.sharded_lookups == ("embed.weight",)  # pos has padding_idx=0

@@ -7,14 +7,16 @@ import pytest
 from tests.distributed import check_results, run_ranks
 from tests.parity import SCENARIOS, run_all
 
-# routed_experts runs inside routed_experts_differ.
-CHECKS = [*(name for name in SCENARIOS if name != "routed_experts"), "eval_no_grad", "routed_experts_differ"]
+# routed_experts runs inside routed_experts_differ, llama_untied_ragged inside sharded_lookups.
+INSIDE_CHECKS = ("routed_experts", "llama_untied_ragged")
+CHECKS = [*(name for name in SCENARIOS if name not in INSIDE_CHECKS), "eval_no_grad", "routed_experts_differ",
+          "sharded_lookups"]  # fmt: skip
 # CPU time on 2 cores: world size 2 runs every check, inductor (C++ compiles)
 # included; 1, 3 and 4 run the checks whose shard layout changes with the
 # world size (empty and ragged shards, tied and direct reads, units).
 INDUCTOR_WORLD_SIZES = (2,)
 LAYOUT_CHECKS = ("llama_tied", "mamba_direct_reads", "uneven_and_empty", "units_small_prefetch2",
-                 "uneven_units_prefetch1")  # fmt: skip
+                 "uneven_units_prefetch1", "sharded_lookups", "embedding_empty_shard")  # fmt: skip
 
 
 def _checks_for(world_size: int) -> list[str]:

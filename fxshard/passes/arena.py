@@ -2,8 +2,8 @@
 
 [Note: arena plan]
 After scheduling, each unit collective is a start node and a wait node. Its
-arena buffers (the gather's cast input, the reduce's rank-major input; see
-[Note: units and flat shards]) are alive from the start to the wait,
+arena buffers (the gather's cast input; see [Note: units and flat shards])
+are alive from the start to the wait,
 inclusive: the start writes them, the collective reads them on the
 communication stream, and the wait is the last to need them. Two buffers whose
 intervals intersect get disjoint byte ranges; others may share. Offsets come
@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.passes.markers import nbytes
-from fxshard.runtime.units import ARENA_ALIGN, UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Units
+from fxshard.runtime.units import ARENA_ALIGN, UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE_WAIT, Units
 
 
 @dataclass(frozen=True)
@@ -143,15 +143,11 @@ def plan_arena_pass(
     """Assign arena offsets to the unit collectives of ``gm`` (see [Note: arena plan])."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    starts = [n for n in nodes if n.target in (UNIT_GATHER, UNIT_REDUCE)]
+    starts = [n for n in nodes if n.target == UNIT_GATHER]
     names, sizes = [], []
     for start in starts:
         (wait,) = start.users
-        if start.target == UNIT_GATHER:
-            nbytes = units.gather_buffers(start.args[2])
-        else:
-            nbytes = units.reduce_buffers(start.args[2], start.args[3])
-        for size in nbytes:
+        for size in units.gather_buffers(start.args[2]):
             names.append((start, f"{start.name}.in"))
             sizes.append((size, pos[start], pos[wait]))
     offsets, size = plan_offsets(sizes)

@@ -28,10 +28,11 @@ import torch.fx as fx
 from fxshard.passes.lower import COPIED_META, LOWERED, fake_value, op_arguments
 from fxshard.passes.markers import is_reduce, is_unshard
 from fxshard.runtime import compat
-from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Units
+from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Member, Units
 
 NBYTES = "fxshard_bytes"  # node.meta key: bytes a unit collective moves (its output, all ranks)
 _aten = torch.ops.aten
+_prims = torch.ops.prims
 
 
 def _group(graph: fx.Graph, units: Units, match) -> dict[int, list[tuple[int, fx.Node]]]:
@@ -49,12 +50,33 @@ class _Inserter:
         self.graph, self.fake_mode = graph, fake_mode
         self.meta = {k: like.meta[k] for k in COPIED_META if k in like.meta}
 
-    def __call__(self, target: Any, *args: Any) -> fx.Node:
-        node = self.graph.call_function(target, args)
+    def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
         node.meta.update(self.meta)
         node.meta[LOWERED] = True
         node.meta["val"] = fake_value(target, node.args, node.kwargs, self.fake_mode)
         return node
+
+
+def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int,
+                dtype: torch.dtype) -> fx.Node:
+    """The reduce-scatter input, built in the graph: each gradient in the
+    reduce dtype, padded to ``ws * chunk`` rows, viewed ``(ws, slot)``, and
+    the members concatenated along dim 1, so row ``r`` is rank ``r``'s slots.
+    Inductor fuses the cast and pad into the concatenation's copies; where
+    one member needs neither, the input is the gradient itself."""
+    parts = []
+    for m, g in zip(members, grads):
+        if not g.meta["val"].is_contiguous():
+            g = new(_aten.clone.default, g, memory_format=torch.contiguous_format)
+        rows = new(_aten.view.default, g, [m.info.shape[0], m.row])
+        if g.meta["val"].dtype != dtype:
+            rows = new(_prims.convert_element_type.default, rows, dtype)
+        pad = ws * m.chunk - m.info.shape[0]
+        if pad:
+            rows = new(_aten.constant_pad_nd.default, rows, [0, 0, 0, pad], 0.0)
+        parts.append(new(_aten.view.default, rows, [ws, m.slot]))
+    return parts[0] if len(parts) == 1 else new(_aten.cat.default, parts, 1)
 
 
 def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, units: Units | None) -> fx.GraphModule:
@@ -95,13 +117,14 @@ def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
             raise RuntimeError(f"fxshard: two reduces of one parameter in one graph (unit {u}); expected one")
         members = sorted(by_member)
         last = max((n for _, n in found), key=order.__getitem__)
-        offsets = [0] * len(units.reduce_buffers(u, members))
+        numel, dtype = units.reduce_layout(u, members)
         with graph.inserting_before(last):
             new = _Inserter(graph, fake_mode, last)
             grads = [by_member[j][0].args[0] for j in members]
-            token = new(UNIT_REDUCE, grads, units.id, u, members, offsets)
-            flat = new(UNIT_REDUCE_WAIT, token, units.id, u, members, offsets)
-            token.meta[NBYTES] = flat.meta[NBYTES] = units.reduce_buffers(u, members)[0]
+            inp = _rank_major(new, [unit.members[j] for j in members], grads, ws, dtype)
+            token = new(UNIT_REDUCE, inp, units.id, u, members)
+            flat = new(UNIT_REDUCE_WAIT, token, inp, units.id, u, members)
+            token.meta[NBYTES] = flat.meta[NBYTES] = ws * numel * dtype.itemsize
             start, views = 0, {}
             for j in members:
                 m = unit.members[j]

@@ -1,7 +1,8 @@
 """The dynamo backend that runs fxshard's passes, then the chosen compiler.
 
 One captured graph goes through three stages (see passes/README.md):
-1. captured graph: ``dedupe_unshard``;
+1. captured graph: ``dedupe_unshard``, ``shard_embedding`` (lookups that
+   move tokens, not the table; see [Note: sharded lookups]);
 2. joint graph (inside AOTAutograd): ``tag_unshard``, then torch's min-cut
    partitioner splits it into forward and backward;
 3. forward, backward and inference graphs: ``bucket_collectives`` (one
@@ -35,6 +36,7 @@ from fxshard.passes.arena import ArenaPlan, plan_arena_pass
 from fxshard.passes.bucket import bucket_collectives_pass
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
+from fxshard.passes.embedding import shard_embedding_pass
 from fxshard.passes.lower import lower_collectives_pass, op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
 from fxshard.passes.report import GraphReport, graph_report
@@ -61,6 +63,9 @@ class BackendSpec:
     debug_dir: str | None
     unit_bytes: int = 256 * 2**20  # prefetch units: about this many bytes of gathered weights
     prefetch: int = 1  # units gathered ahead of the one computing; 0 waits in place
+    # The gloo group on which sharded embedding lookups compare token counts
+    # ("": a fake group, assume equal); None gathers embedding tables like any weight.
+    embedding_count_group: str | None = None
 
 
 @dataclass
@@ -82,6 +87,7 @@ class GraphRecord:
     schedules: dict[str, Schedule] = field(default_factory=dict)
     arenas: dict[str, ArenaPlan] = field(default_factory=dict)
     units: str = ""  # the model's units, as formatted for the summary
+    sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
     full_weights_in_forward: dict[str, str] = field(default_factory=dict)  # forward node -> parameter
     saved_full_weights: tuple[str, ...] | None = None  # parameters; known once the backward is compiled
 
@@ -89,11 +95,13 @@ class GraphRecord:
         parts = [f"graph {self.index}"]
         if self.units:
             parts.append(self.units)
+        if self.sharded_lookups:
+            parts.append(f"sharded embedding lookups (tokens move, not the table): {', '.join(self.sharded_lookups)}\n")
         for phase, report in self.reports.items():
             parts.append(report.format())
             if phase in self.schedules:
                 parts.append(f"[{phase} schedule] " + self.schedules[phase].format())
-            if phase in self.arenas and self.arenas[phase].buffers:
+            if phase in self.arenas:
                 parts.append(f"[{phase} arena] " + self.arenas[phase].format())
         if self.saved_full_weights is not None:
             saved = ", ".join(self.saved_full_weights) or "none"
@@ -141,9 +149,14 @@ class FXShardBackend:
         dumper = None
         if self.spec.debug_dir:
             dumper = Dumper(Path(self.spec.debug_dir) / f"rank{self.spec.rank}" / f"graph{record.index}")
-        record.captured = run_passes(
-            gm, example_inputs, [GraphPass("dedupe_unshard", dedupe_unshard_pass)], phase="captured", dumper=dumper
-        )
+        captured = [GraphPass("dedupe_unshard", dedupe_unshard_pass)]
+        lookups: list[str] = []
+        if self.spec.embedding_count_group is not None:
+            shard_lookups = functools.partial(shard_embedding_pass, count_group_name=self.spec.embedding_count_group,
+                                              record=lookups)  # fmt: skip
+            captured.append(GraphPass("shard_embedding", shard_lookups))
+        record.captured = run_passes(gm, example_inputs, captured, phase="captured", dumper=dumper)
+        record.sharded_lookups = tuple(lookups)
         if self.units is not None:
             first_use = [op_arguments(n)["param"] for n in record.captured.graph.nodes if is_unshard(n)]
             self.units.assign(first_use, self.spec.unit_bytes)

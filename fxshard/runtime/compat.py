@@ -38,7 +38,7 @@ __all__ = [
     "all_gather_async",
     "all_gather_coalesced_async",
     "reduce_scatter_async",
-    "chunk_cat",
+    "assert_async",
     "group_backend",
     "local_tensor",
     "replace_local_tensor",
@@ -193,25 +193,6 @@ def group_backend(group_name: str) -> str:
     return str(dist.get_backend(resolve_group(group_name)))
 
 
-def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
-    """Write ``tensors`` rank-major into ``out`` (``num_chunks x n``): each is
-    padded to a multiple of ``num_chunks`` rows and split into that many
-    chunks; chunk ``r`` of every tensor, end to end, is row ``r`` of ``out``.
-    Casts to ``out``'s dtype. One kernel where torch has ``_chunk_cat``."""
-    if hasattr(torch, "_chunk_cat"):
-        torch._chunk_cat(tensors, 0, num_chunks, out=out)
-        return
-    offset = 0  # pragma: no cover - the same, one copy per tensor and rank
-    out.zero_()
-    for t in tensors:
-        flat, row = t.reshape(t.shape[0], -1), t[0].numel()
-        chunk = -(-t.shape[0] // num_chunks)
-        for r in range(num_chunks):
-            rows = flat[r * chunk : (r + 1) * chunk]
-            out[r, offset : offset + rows.numel()].copy_(rows.reshape(-1))
-        offset += chunk * row
-
-
 def local_tensor(dtensor: Any) -> torch.Tensor:
     """The plain tensor a DTensor holds (not a view of it)."""
     return dtensor._local_tensor
@@ -298,3 +279,10 @@ def size_hint(value: Any) -> int:
     if hint is None:  # pragma: no cover - neither name in this torch
         return value.node.hint
     return int(hint(value))
+
+
+def assert_async(ok: torch.Tensor, message: str) -> None:
+    """Fail the device stream if ``ok`` (a one-element bool tensor) is false,
+    without a host sync: a device-side assert, as an out-of-range index in
+    ``F.embedding`` raises on GPU."""
+    torch._assert_async(ok, message)

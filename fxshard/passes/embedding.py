@@ -1,0 +1,65 @@
+"""Embedding lookups that move tokens, not the table (see [Note: sharded lookups])."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxshard.passes.lower import op_arguments
+from fxshard.passes.markers import is_unshard
+from fxshard.runtime.embedding import EMBEDDING
+
+_EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
+_DEFAULTS = {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False}
+
+
+def _plain_lookup(user: fx.Node, weight: fx.Node) -> fx.Node | None:
+    """The token ids of ``user`` if it is ``F.embedding(ids, weight)`` with
+    default options (no padding row, renorm, frequency scaling or sparse grad)."""
+    if user.op != "call_function" or user.target is not F.embedding:
+        return None
+    try:
+        bound = _EMBEDDING_SIGNATURE.bind(*user.args, **user.kwargs)
+    except TypeError:
+        return None
+    args = bound.arguments
+    if args.get("weight") is not weight or args.get("input") is weight:
+        return None
+    if any(args.get(name, default) != default for name, default in _DEFAULTS.items()):
+        return None
+    return args["input"] if isinstance(args["input"], fx.Node) else None
+
+
+def shard_embedding_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, count_group_name: str, record: list | None = None
+) -> fx.GraphModule:
+    """Replace each embedding lookup that is its table's only reader by
+    ``fxshard::embedding`` on the local shard. A table read any other way
+    (tied to an output projection, say) keeps its gather."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not is_unshard(node) or not node.users:
+            continue
+        a = op_arguments(node)
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if a["world_size"] == 1 or val is None or val.dim() != 2:
+            continue
+        lookups = [(user, _plain_lookup(user, node)) for user in node.users]
+        if any(ids is None for _, ids in lookups):
+            continue
+        for user, ids in lookups:
+            with graph.inserting_before(user):
+                new = graph.call_function(EMBEDDING, (ids, node.args[0], a["dim0"], a["world_size"], a["group_name"],
+                                                      a["reduce_group_name"], count_group_name, a["param"], a["dtype"],
+                                                      a["reduce_dtype"]))  # fmt: skip
+            new.meta = dict(user.meta)
+            user.replace_all_uses_with(new)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if record is not None:
+            record.append(a["param"])
+    graph.lint()
+    return gm

@@ -1,0 +1,177 @@
+"""Embedding lookups that read only the rank's own rows of the table.
+
+[Note: sharded lookups]
+An embedding lookup reads a few rows of a large table: for a 128k-token
+vocabulary, gathering the table moves 0.5B parameters for a forward that
+reads 2048 rows, and the backward then reduce-scatters a gradient just as
+large, at the very end of the backward, where nothing overlaps it. The
+``shard_embedding`` pass replaces ``embedding(unshard(shard), tokens)`` (an
+embedding that is the weight's only reader, with default options) by
+``fxshard::embedding(tokens, shard, ...)``, which moves the tokens instead:
+
+- Forward: all-gather every rank's token ids; look up the ids this rank's
+  rows hold (rows ``[start, end)``, see [Note: one definition of gather and
+  reduce]), zeros for the others; reduce-scatter (sum) the ``(world_size *
+  tokens, dim)`` result, so each rank receives its own tokens' rows. Every
+  row has exactly one nonzero contribution, so the sum is exact in any dtype.
+- Backward: all-gather every rank's output gradient; accumulate the rows
+  this rank holds into its shard's gradient in the reduce dtype, divided by
+  the world size (the average the reduce-scatter takes elsewhere).
+
+The collectives are ``world_size * tokens * dim`` elements: 64 MiB in bf16
+for 2048 tokens of dim 4096 on 4 ranks, against 1 GiB gathered and 2 GiB
+reduced for the 8B benchmark's table.
+
+Ranks must look up the same number of tokens, because NCCL collectives move
+equal sizes. Each call first compares the counts on a CPU (gloo) group, an
+all-gather of one integer that never touches the GPU stream. When they
+differ, that call gathers the table and reduces its gradient as any weight
+(``gather_full`` / ``reduce_to_shard``); every rank sees the same counts, so
+every rank takes the same branch.
+
+The forward's collectives run on the reduce group and the backward's on the
+gather group: in a forward the reduce group is idle while the gather group
+has the next units' all-gathers queued, and at the end of a backward it is
+the other way round. NCCL runs one communicator's collectives in issue
+order, so this keeps the lookups from waiting behind prefetched gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fxshard.runtime import compat
+from fxshard.runtime.collectives import gather_full, reduce_to_shard, shard_range
+
+_funcol = torch.ops._c10d_functional
+
+# How many lookup forwards and backwards ran each way in this process (tests).
+stats = {"sharded": 0, "gathered": 0}
+
+
+def _same_count(n: int, world_size: int, count_group_name: str) -> bool:
+    """Whether every rank looks up ``n`` tokens; "" (a fake group) assumes so."""
+    if not count_group_name:
+        return True
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([n], dtype=torch.int64), group=compat.resolve_group(count_group_name))
+    return all(int(c) == n for c in counts)
+
+
+def _check_ids(indices: torch.Tensor, dim0: int, param: str) -> None:
+    """Out-of-range ids fail as in ``F.embedding``: an error on CPU, a device
+    assert on GPU (without a host sync). A sharded lookup would read zeros."""
+    if indices.numel() == 0:
+        return
+    ok = (indices.min() >= 0) & (indices.max() < dim0)
+    if indices.device.type == "cpu":
+        if not bool(ok):
+            raise IndexError(f"fxshard: an embedding index into {param!r} is out of range [0, {dim0})")
+    else:
+        compat.assert_async(ok, f"fxshard: an embedding index into {param!r} is out of range [0, {dim0})")
+
+
+def _all_gather(t: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t.contiguous(), world_size, group_name))
+
+
+def _local_ids(indices: torch.Tensor, dim0: int, world_size: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every rank's ids, as rows of this rank's shard (clamped), whether the
+    shard holds each one, and the shard's row count."""
+    rank = dist.get_rank(compat.resolve_group(group_name))
+    start, end = shard_range(dim0, world_size, rank)
+    ids = _all_gather(indices.reshape(-1), world_size, group_name) - start
+    hit = (ids >= 0) & (ids < end - start)
+    return ids.clamp(0, max(end - start - 1, 0)), hit, end - start
+
+
+@torch.library.custom_op("fxshard::embedding", mutates_args=())
+def embedding(
+    indices: torch.Tensor,
+    shard: torch.Tensor,
+    dim0: int,
+    world_size: int,
+    group_name: str,
+    reduce_group_name: str,
+    count_group_name: str,
+    param: str,
+    dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """``F.embedding(indices, full)`` where ``full`` is ``param`` gathered
+    from ``shard`` in ``dtype``, reading only this rank's rows (see the Note)."""
+    _check_ids(indices, dim0, param)
+    if not _same_count(indices.numel(), world_size, count_group_name):
+        stats["gathered"] += 1
+        return F.embedding(indices, gather_full(shard, dim0, world_size, group_name, dtype))
+    stats["sharded"] += 1
+    ids, hit, rows = _local_ids(indices, dim0, world_size, reduce_group_name)
+    out_dtype = dtype or shard.dtype
+    if rows:
+        found = F.embedding(ids, shard).to(out_dtype).masked_fill(~hit.unsqueeze(1), 0)
+    else:
+        found = shard.new_zeros((ids.shape[0], shard.shape[1]), dtype=out_dtype)
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(found, "sum", world_size, reduce_group_name))
+    return out.view(*indices.shape, shard.shape[1])
+
+
+@embedding.register_fake
+def _(indices, shard, dim0, world_size, group_name, reduce_group_name, count_group_name, param, dtype, reduce_dtype):
+    return shard.new_empty((*indices.shape, shard.shape[1]), dtype=dtype or shard.dtype)
+
+
+@torch.library.custom_op("fxshard::embedding_backward", mutates_args=())
+def embedding_backward(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    local_rows: int,
+    dim0: int,
+    world_size: int,
+    group_name: str,
+    reduce_group_name: str,
+    count_group_name: str,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The gradient of ``fxshard::embedding`` with respect to the shard,
+    averaged over the ranks, in ``shard_dtype``."""
+    dim = grad.shape[-1]
+    acc = reduce_dtype or grad.dtype
+    grad = grad.reshape(-1, dim)
+    if not _same_count(indices.numel(), world_size, count_group_name):
+        stats["gathered"] += 1
+        full = torch.ops.aten.embedding_dense_backward(grad.to(acc), indices.reshape(-1), dim0, -1, False)
+        return reduce_to_shard(full, local_rows, world_size, reduce_group_name, reduce_dtype, shard_dtype)
+    stats["sharded"] += 1
+    ids, hit, rows = _local_ids(indices, dim0, world_size, group_name)
+    grads = _all_gather(grad, world_size, group_name).to(acc).masked_fill(~hit.unsqueeze(1), 0)
+    out = grads.new_zeros((local_rows, dim))
+    if rows:
+        out.index_add_(0, ids, grads)
+    return out.div_(world_size).to(shard_dtype)
+
+
+@embedding_backward.register_fake
+def _(grad, indices, local_rows, dim0, world_size, group_name, reduce_group_name, count_group_name, reduce_dtype,
+      shard_dtype):  # fmt: skip
+    return grad.new_empty((local_rows, grad.shape[-1]), dtype=shard_dtype)
+
+
+def _setup(ctx, inputs, output):
+    indices, shard, dim0, world_size, group_name, reduce_group_name, count_group_name, _, _, reduce_dtype = inputs
+    ctx.save_for_backward(indices)
+    ctx.spec = (shard.shape[0], dim0, world_size, group_name, reduce_group_name, count_group_name, reduce_dtype,
+                shard.dtype)  # fmt: skip
+
+
+def _backward(ctx, grad):
+    (indices,) = ctx.saved_tensors
+    return (None, embedding_backward(grad, indices, *ctx.spec), None, None, None, None, None, None, None, None)
+
+
+embedding.register_autograd(_backward, setup_context=_setup)
+
+EMBEDDING = torch.ops.fxshard.embedding.default
+EMBEDDING_BACKWARD = torch.ops.fxshard.embedding_backward.default
