@@ -412,3 +412,22 @@ def test_untied_embedding_lookup_moves_tokens_not_the_table(fake_pg):
     model(torch.randint(0, 3, (2, 5))).sum().backward()
     (record,) = model.fxshard_plan.graphs
     assert record.sharded_lookups == ("embed.weight",)  # pos has padding_idx=0
+
+
+def test_reduce_input_rows_are_never_padded(fake_pg, monkeypatch):
+    """Inductor pads the rows of buffers whose row is not 128-byte aligned
+    (on GPUs; here forced on CPU). The rank-major reduce input is read flat
+    by the collective, so its op asks for contiguous inputs: no padded rows
+    reach the runtime."""
+    from fxshard.runtime.units import Units
+
+    monkeypatch.setenv("FXSHARD_INDUCTOR_CONFIG", "disable_padding_cpu=0")
+    seen = []
+    start = Units.reduce_start
+    monkeypatch.setattr(Units, "reduce_start",
+                        lambda self, u, m, inp: seen.append((inp.shape, inp.stride())) or start(self, u, m, inp))  # fmt: skip
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="inductor")
+    model(torch.randint(0, 37, (2, 9))).sum().backward()
+    assert seen and all(stride == (shape[1], 1) for shape, stride in seen), seen
+    assert any(shape[1] > 1024 and shape[1] % 32 for shape, _ in seen), f"no row Inductor would pad: {seen}"

@@ -39,6 +39,7 @@ __all__ = [
     "all_gather_coalesced_async",
     "reduce_scatter_async",
     "assert_async",
+    "contiguous_inputs_tags",
     "group_backend",
     "local_tensor",
     "replace_local_tensor",
@@ -286,3 +287,13 @@ def assert_async(ok: torch.Tensor, message: str) -> None:
     without a host sync: a device-side assert, as an out-of-range index in
     ``F.embedding`` raises on GPU."""
     torch._assert_async(ok, message)
+
+
+def contiguous_inputs_tags() -> tuple:
+    """Custom-op tags that make Inductor hand the op contiguous inputs, never
+    rows padded for alignment (it lays out or copies its buffer so); () where
+    this torch lacks the tag, and the op must make its input contiguous. (The
+    exact-strides tag would not do: Inductor ignores it on ops that a graph
+    pass inserted, as fxshard's are.)"""
+    tag = getattr(torch.Tag, "needs_contiguous_strides", None)
+    return (tag,) if tag is not None else ()

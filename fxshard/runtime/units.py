@@ -338,9 +338,11 @@ class Units:
 
     def reduce_start(self, unit: int, members: Sequence[int], inp: torch.Tensor) -> None:
         numel, dtype = self.reduce_layout(unit, members)
-        if inp.dtype != dtype or inp.numel() != self.world_size * numel or not inp.is_contiguous():
-            raise RuntimeError(f"fxshard: unit {unit}'s reduce input is {inp.dtype}, shape {tuple(inp.shape)}, "
-                               f"strides {inp.stride()}; expected {self.world_size} x {numel} contiguous {dtype}")
+        if inp.dtype != dtype or inp.numel() != self.world_size * numel:
+            raise RuntimeError(f"fxshard: unit {unit}'s reduce input is {inp.dtype} of shape {tuple(inp.shape)}; "
+                               f"expected {self.world_size} x {numel} {dtype}")
+        if not inp.is_contiguous():  # Inductor padded its rows: this torch lacks the op's contiguous tag
+            inp = inp.contiguous()  # held in _pending until the wait
         key = ("reduce", unit, tuple(members))
         if key in self._pending:
             raise RuntimeError(f"fxshard: unit {unit} reduced again before its previous reduce's wait")
@@ -404,11 +406,12 @@ def _(token, units, unit, offsets):
     return torch.empty(u.world_size * v.numel, dtype=v.gather_dtype, device=v.device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce", mutates_args=())
+@torch.library.custom_op("fxshard::unit_reduce", mutates_args=(), tags=compat.contiguous_inputs_tags())
 def unit_reduce(inp: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Start the reduce-scatter of ``members`` of ``unit``; ``inp`` is their
     full gradients laid out rank-major in the reduce dtype (``world_size x
-    slots``), built by the graph (see [Note: units and flat shards])."""
+    slots``), built by the graph (see [Note: units and flat shards]). The
+    tag keeps Inductor from padding its rows: the collective reads it flat."""
     u = units_of(units)
     u.reduce_start(unit, members, inp)
     return torch.empty(0, device=u.units[unit].device)
@@ -419,7 +422,7 @@ def _(inp, units, unit, members):
     return torch.empty(0, device=units_of(units).units[unit].device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=())
+@torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=(), tags=compat.contiguous_inputs_tags())
 def unit_reduce_wait(token: torch.Tensor, inp: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Wait for the reduce; return this rank's averaged gradient slots, end to
     end, in the shard dtype (the collective's own output where that is its dtype).
