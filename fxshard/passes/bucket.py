@@ -58,11 +58,12 @@ class _Inserter:
         return node
 
 
-def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int,
+def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int, row: int,
                 dtype: torch.dtype) -> fx.Node:
     """The reduce-scatter input, built in the graph: each gradient in the
     reduce dtype, padded to ``ws * chunk`` rows, viewed ``(ws, slot)``, and
-    the members concatenated along dim 1, so row ``r`` is rank ``r``'s slots.
+    the members concatenated along dim 1, so row ``r`` is rank ``r``'s slots,
+    then zeros up to ``row`` elements (see ``Units.reduce_layout``).
     Inductor fuses the cast and pad into the concatenation's copies; where
     one member needs neither, the input is the gradient itself."""
     parts = []
@@ -76,6 +77,10 @@ def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.No
         if pad:
             rows = new(_aten.constant_pad_nd.default, rows, [0, 0, 0, pad], 0.0)
         parts.append(new(_aten.view.default, rows, [ws, m.slot]))
+    tail = row - sum(m.slot for m in members)
+    if tail:
+        device = grads[0].meta["val"].device
+        parts.append(new(_aten.full.default, [ws, tail], 0.0, dtype=dtype, device=device))
     return parts[0] if len(parts) == 1 else new(_aten.cat.default, parts, 1)
 
 
@@ -121,7 +126,7 @@ def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         with graph.inserting_before(last):
             new = _Inserter(graph, fake_mode, last)
             grads = [by_member[j][0].args[0] for j in members]
-            inp = _rank_major(new, [unit.members[j] for j in members], grads, ws, dtype)
+            inp = _rank_major(new, [unit.members[j] for j in members], grads, ws, numel, dtype)
             token = new(UNIT_REDUCE, inp, units.id, u, members)
             flat = new(UNIT_REDUCE_WAIT, token, inp, units.id, u, members)
             token.meta[NBYTES] = flat.meta[NBYTES] = ws * numel * dtype.itemsize

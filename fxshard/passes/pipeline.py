@@ -131,7 +131,11 @@ class _JointTagPass(compat.CustomGraphPass):
         spec = self.backend.spec
         # A debug run must run the passes to dump them: make it miss the cache.
         nonce = uuid.uuid4().hex if spec.debug_dir else ""
-        return hashlib.sha256(f"{_source_digest()}|{spec}|{nonce}".encode()).hexdigest()
+        # The compiled graphs name their Units by id and index its units and
+        # members: a cached graph fits only the same ones.
+        units = self.backend.units
+        layout = (units.id, tuple(u.names for u in units.units)) if units is not None else None
+        return hashlib.sha256(f"{_source_digest()}|{spec}|{layout}|{nonce}".encode()).hexdigest()
 
 
 class FXShardBackend:

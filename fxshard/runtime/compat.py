@@ -39,7 +39,7 @@ __all__ = [
     "all_gather_coalesced_async",
     "reduce_scatter_async",
     "assert_async",
-    "contiguous_inputs_tags",
+    "inductor_row_alignment_bytes",
     "group_backend",
     "local_tensor",
     "replace_local_tensor",
@@ -289,11 +289,9 @@ def assert_async(ok: torch.Tensor, message: str) -> None:
     torch._assert_async(ok, message)
 
 
-def contiguous_inputs_tags() -> tuple:
-    """Custom-op tags that make Inductor hand the op contiguous inputs, never
-    rows padded for alignment (it lays out or copies its buffer so); () where
-    this torch lacks the tag, and the op must make its input contiguous. (The
-    exact-strides tag would not do: Inductor ignores it on ops that a graph
-    pass inserted, as fxshard's are.)"""
-    tag = getattr(torch.Tag, "needs_contiguous_strides", None)
-    return (tag,) if tag is not None else ()
+def inductor_row_alignment_bytes() -> int:
+    """The byte alignment to which Inductor pads the rows (strides) of the
+    buffers it lays out, where it pads."""
+    from torch._inductor import config
+
+    return int(getattr(config, "padding_alignment_bytes", 128))

@@ -299,9 +299,16 @@ class Units:
         return [u.numel * u.gather_dtype.itemsize] if u.gather_dtype != u.shard_dtype else []
 
     def reduce_layout(self, unit: int, members: Sequence[int]) -> tuple[int, torch.dtype]:
-        """Elements per rank of a reduce of ``members`` of ``unit``, and its dtype."""
+        """Elements per rank of a reduce of ``members`` of ``unit``, and its
+        dtype: the members' slots end to end, then zeros up to a multiple of
+        Inductor's row alignment. Inductor pads a buffer's unaligned rows (on
+        GPUs); the collective reads the rank-major input flat, so its rows
+        must be aligned already."""
         u = self.units[unit]
-        return sum(u.members[j].slot for j in members), u.members[0].info.reduce_dtype
+        dtype = u.members[0].info.reduce_dtype
+        align = max(compat.inductor_row_alignment_bytes() // dtype.itemsize, 1)
+        numel = sum(u.members[j].slot for j in members)
+        return -(-numel // align) * align, dtype
 
     def _on_nccl(self, name: str) -> bool:
         """NCCL coalesces a unit's all-gathers and averages inside the
@@ -341,8 +348,9 @@ class Units:
         if inp.dtype != dtype or inp.numel() != self.world_size * numel:
             raise RuntimeError(f"fxshard: unit {unit}'s reduce input is {inp.dtype} of shape {tuple(inp.shape)}; "
                                f"expected {self.world_size} x {numel} {dtype}")
-        if not inp.is_contiguous():  # Inductor padded its rows: this torch lacks the op's contiguous tag
-            inp = inp.contiguous()  # held in _pending until the wait
+        if not inp.is_contiguous():
+            raise RuntimeError(f"fxshard: unit {unit}'s reduce input has strides {inp.stride()}; the collective "
+                               "reads it flat, so its rows must not be padded")
         key = ("reduce", unit, tuple(members))
         if key in self._pending:
             raise RuntimeError(f"fxshard: unit {unit} reduced again before its previous reduce's wait")
@@ -351,8 +359,10 @@ class Units:
                                            average=self._on_nccl(self.reduce_group_name))  # fmt: skip
         self._pending[key] = (work, inp, out)
 
-    def reduce_wait(self, unit: int, members: Sequence[int]) -> torch.Tensor:
-        work, _, out = self._pending.pop(("reduce", unit, tuple(members)))
+    def reduce_wait(self, unit: int, members: Sequence[int], inp: torch.Tensor) -> torch.Tensor:
+        work, sent, out = self._pending.pop(("reduce", unit, tuple(members)))
+        if inp.data_ptr() != sent.data_ptr():  # the graph would not keep what the collective reads alive
+            raise RuntimeError(f"fxshard: unit {unit}'s reduce wait got another buffer than its start sent")
         work.wait()
         if not self._on_nccl(self.reduce_group_name):
             out.div_(self.world_size)
@@ -406,12 +416,11 @@ def _(token, units, unit, offsets):
     return torch.empty(u.world_size * v.numel, dtype=v.gather_dtype, device=v.device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce", mutates_args=(), tags=compat.contiguous_inputs_tags())
+@torch.library.custom_op("fxshard::unit_reduce", mutates_args=())
 def unit_reduce(inp: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Start the reduce-scatter of ``members`` of ``unit``; ``inp`` is their
     full gradients laid out rank-major in the reduce dtype (``world_size x
-    slots``), built by the graph (see [Note: units and flat shards]). The
-    tag keeps Inductor from padding its rows: the collective reads it flat."""
+    slots``, flat), built by the graph (see [Note: units and flat shards])."""
     u = units_of(units)
     u.reduce_start(unit, members, inp)
     return torch.empty(0, device=u.units[unit].device)
@@ -422,13 +431,13 @@ def _(inp, units, unit, members):
     return torch.empty(0, device=units_of(units).units[unit].device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=(), tags=compat.contiguous_inputs_tags())
+@torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=())
 def unit_reduce_wait(token: torch.Tensor, inp: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Wait for the reduce; return this rank's averaged gradient slots, end to
     end, in the shard dtype (the collective's own output where that is its dtype).
     ``inp`` is the start's input, passed again so that the compiled graph keeps
     it alive, unchanged, until the collective is done."""
-    return units_of(units).reduce_wait(unit, members)
+    return units_of(units).reduce_wait(unit, members, inp)
 
 
 @unit_reduce_wait.register_fake
