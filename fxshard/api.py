@@ -156,7 +156,7 @@ def _count_group(mesh: DeviceMesh) -> str:
     group otherwise (every rank calls compile, so every rank creates it),
     and "" for the fake group, which moves no data."""
     group = mesh.get_group()
-    backend = str(dist.get_backend(group))
+    backend = compat.group_backend(group.group_name)
     if backend == "fake":
         return ""
     if backend == "gloo":
