@@ -22,7 +22,13 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable, args: tuple) -> None:
+    import faulthandler
+
     import torch
+
+    # A rank that dies on a signal (a heap corruption's SIGABRT, a SIGSEGV)
+    # prints every thread's Python stack to stderr, which pytest shows.
+    faulthandler.enable(all_threads=True)
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
