@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -149,19 +151,43 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
+# The groups fxshard adds beside a mesh's group, made once per mesh group and
+# kind: every compile on one mesh shares them. A new NCCL communicator per
+# compile would hold GPU memory for the life of the process.
+_SIDE_GROUPS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _side_group(group: Any, kind: str, backend: str | None = None) -> Any:
+    """The ``kind`` group over ``group``'s ranks: the one made for an earlier
+    compile while it lives, else a new one. Every rank calls compile, so
+    every rank makes it, in the same order."""
+    made = _SIDE_GROUPS.setdefault(group, {})
+    side = made.get(kind)
+    if side is None or not compat.group_is_live(side):
+        side = made[kind] = dist.new_group(dist.get_process_group_ranks(group), backend=backend)
+    return side
+
+
+def _reduce_group(mesh: DeviceMesh) -> str:
+    """The group the reduce-scatters run on: the mesh's ranks again, on a
+    communicator (an NCCL stream) of their own, so that they overlap the
+    all-gathers of the backward."""
+    group = mesh.get_group()
+    return group.group_name if mesh.size() == 1 else _side_group(group, "reduce").group_name
+
+
 def _count_group(mesh: DeviceMesh) -> str:
     """A CPU group over the mesh's ranks, on which sharded embedding lookups
     compare token counts without touching the device stream (see [Note:
-    sharded lookups]): the mesh's own group where it is gloo, a new gloo
-    group otherwise (every rank calls compile, so every rank creates it),
-    and "" for the fake group, which moves no data."""
+    sharded lookups]): the mesh's own group where it is gloo, a gloo group
+    beside it otherwise, and "" for the fake group, which moves no data."""
     group = mesh.get_group()
     backend = compat.group_backend(group.group_name)
     if backend == "fake":
         return ""
     if backend == "gloo":
         return group.group_name
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo").group_name
+    return _side_group(group, "count", backend="gloo").group_name
 
 
 def compile(  # noqa: A001 - the public name, as in torch.compile
@@ -227,12 +253,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
 
-    # Reduce-scatters get their own communicator (its own NCCL stream), so
-    # they overlap the all-gathers of backward. Every rank calls compile, so
-    # every rank creates it.
-    reduce_group = mesh.get_group() if mesh.size() == 1 else dist.new_group(dist.get_process_group_ranks(mesh.get_group()))
+    reduce_group_name = _reduce_group(mesh)
     params, state = shard_parameters(model, mesh, mp_policy, sequenced=backend == "eager",
-                                     reduce_group_name=reduce_group.group_name)  # fmt: skip
+                                     reduce_group_name=reduce_group_name)  # fmt: skip
     graphs: list[GraphRecord] = []
     unit_plan = None
     if backend != "eager":
@@ -242,7 +265,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                            count_group)  # fmt: skip
         if mesh.size() > 1:
             unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
-                              reduce_group.group_name, explicit)  # fmt: skip
+                              reduce_group_name, explicit)  # fmt: skip
             state.after_first_call = unit_plan.rehome
         compiled = FXShardBackend(spec, unit_plan)
         graphs = compiled.graphs

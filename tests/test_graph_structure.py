@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -333,6 +335,41 @@ def test_reduces_on_their_own_group(fake_pg, monkeypatch):
     _train_once(models.TinyLlama(), unit_mb=0.003)
     (g,), (r,) = groups["gather"], groups["reduce"]
     assert g is not r and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(r)
+
+
+def test_compiles_on_one_mesh_share_the_reduce_group(fake_pg):
+    """One reduce communicator per mesh, not one per compile (each NCCL
+    communicator holds GPU memory), and a new one once the world is new."""
+    def reduce_group(model):
+        fxshard.compile(model, backend="aot_eager")
+        return {p.reduce_group_name for p in model.fxshard_plan.params}
+
+    first, second = reduce_group(models.TinyLlama()), reduce_group(models.TinyLlama())
+    assert first == second and len(first) == 1 and first != {dist.group.WORLD.group_name}
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=4)
+    (name,) = reduce_group(models.TinyLlama())
+    assert compat.group_is_live(compat.resolve_group(name))
+
+
+def test_units_id_names_the_layout(fake_pg):
+    """Compiled graphs name their Units by id, and torch caches them on disk:
+    the id depends on the layout only, never on what the process built before,
+    and two live models of one layout get two ids."""
+    def units_id(model):
+        record = _train_once(model, unit_mb=0.003)
+        (gather, *_) = _nodes(record.forward, AG)
+        return gather.args[1], model
+
+    a, model_a = units_id(models.TinyLlama())
+    other, _ = units_id(models.TinyLlama(tie=False))
+    b, model_b = units_id(models.TinyLlama())
+    assert other != a and b == a + 1
+    del model_a, model_b
+    torch._dynamo.reset()  # dynamo's caches hold the compiled models
+    gc.collect()
+    c, _ = units_id(models.TinyLlama())
+    assert c == a
 
 
 def _check_arena(plan) -> None:

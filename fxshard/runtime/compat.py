@@ -41,6 +41,7 @@ __all__ = [
     "assert_async",
     "inductor_row_alignment_bytes",
     "group_backend",
+    "group_is_live",
     "local_tensor",
     "replace_local_tensor",
     "resolve_group",
@@ -185,6 +186,15 @@ def resolve_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def group_is_live(group: Any) -> bool:
+    """Whether ``group`` is still registered under its name (not destroyed
+    with its world, its name not taken by a group of a new world)."""
+    try:
+        return resolve_group(group.group_name) is group
+    except (ValueError, RuntimeError, KeyError):
+        return False
 
 
 def group_backend(group_name: str) -> str:

@@ -58,7 +58,7 @@ Where the buffers live:
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import logging
 import math
 import weakref
@@ -203,8 +203,10 @@ class Arena:
         return self._buffer[offset : offset + nbytes].view(dtype)
 
 
+# Units by id: compiled graphs name theirs by id. An id is a hash of the
+# layout (see ``Units._register``), so that graphs that torch caches on disk
+# fit any process that forms the same units, whatever it compiled before.
 _UNITS: "weakref.WeakValueDictionary[int, Units]" = weakref.WeakValueDictionary()
-_ids = itertools.count()
 
 
 class Units:
@@ -228,8 +230,19 @@ class Units:
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
         self._nccl: dict[str, bool] = {}  # group name -> whether it is NCCL, on first use
-        self.id = next(_ids)
-        _UNITS[self.id] = self
+        self.id: int | None = None  # set when the units are formed
+
+    def _register(self) -> None:
+        """Take the id of this layout (the next free one if another live Units
+        of the same layout holds it)."""
+        layout = (self.world_size, [[(m.info.fqn, m.info.shape, m.info.local_rows, m.chunk, m.row, m.offset,
+                                      m.info.shard_dtype, m.info.gather_dtype, m.info.reduce_dtype, m.info.device)
+                                     for m in u.members] for u in self.units])  # fmt: skip
+        uid = int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:7], "little")
+        while _UNITS.get(uid) not in (None, self):
+            uid += 1
+        self.id = uid
+        _UNITS[uid] = self
 
     @property
     def assigned(self) -> bool:
@@ -272,6 +285,7 @@ class Units:
             self.units.append(unit)
             for j, m in enumerate(unit.members):
                 self.unit_of[m.info.fqn] = (index, j)
+        self._register()
         log.info("fxshard: %d units over %d parameters", len(self.units), len(self.unit_of))
 
     def unit_names(self, fqn: str) -> tuple[str, ...]:
