@@ -201,6 +201,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     unit_mb: float = 256,
     units: list[nn.Module] | None = None,
     sharded_embeddings: bool = True,
+    compile_blocks_once: bool = False,
     debug_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
@@ -230,6 +231,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       projection) is never gathered: ranks exchange token ids and rows, and
       each rank reduces its own rows' gradient (see [Note: sharded lookups]).
       False gathers it like any weight.
+    - ``compile_blocks_once``: blocks of a module list (``layers.<i>``) that
+      trace alike node for node are compiled once and called per layer, with
+      the layer's gathered weights as arguments: first-step compile time
+      that no longer grows with depth (see [Note: outlined blocks]).
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
     """
     _check_model(model)
@@ -247,6 +252,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     if not isinstance(sharded_embeddings, bool):
         raise ValueError(f"sharded_embeddings must be True or False, got {sharded_embeddings!r}")
+    if not isinstance(compile_blocks_once, bool):
+        raise ValueError(f"compile_blocks_once must be True or False, got {compile_blocks_once!r}")
     if backend == "inductor":
         compat.env_inductor_config()  # a bad FXSHARD_INDUCTOR_CONFIG fails here, not inside dynamo
     explicit = _explicit_units(model, units)
@@ -262,7 +269,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         count_group = _count_group(mesh) if sharded_embeddings and mesh.size() > 1 else None
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
-                           count_group)  # fmt: skip
+                           count_group, compile_blocks_once)  # fmt: skip
         if mesh.size() > 1:
             unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
                               reduce_group_name, explicit)  # fmt: skip

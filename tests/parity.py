@@ -118,6 +118,14 @@ SCENARIOS: dict[str, Scenario] = {
         **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.002),
         units=lambda m: [m.layers[0], m.layers[0].attn, m.layers[1]],
     ),
+    # Each layer a call of one compiled body (see [Note: outlined blocks]).
+    "blocks_once": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
+                                                         compile_blocks_once=True)),  # fmt: skip
+    "blocks_once_bf16_inductor": Scenario(
+        **UNTIED, make_batch=_tokens, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
+        compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
+                            unit_mb=0.003, compile_blocks_once=True),
+    ),
     "uneven_units_prefetch1": Scenario(
         make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
         compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=1),
@@ -272,11 +280,30 @@ def sharded_lookup_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def blocks_once_check(rank: int, world_size: int) -> dict:
+    """blocks_once, and how it compiled: both layers call one body; the
+    backward gathers every weight the forward gathered but the last unit's,
+    so the bodies save no full weight for backward."""
+    model = train_and_compare(rank, world_size, SCENARIOS["blocks_once"])["model"]
+    plan = model.fxshard_plan
+    (record,) = plan.graphs
+    assert record.outline.bodies == [["layers.0", "layers.1"]], record.outline
+    if world_size == 1:
+        return {}
+    kept = plan.units.units[-1].names
+    assert record.saved_full_weights == kept, (record.saved_full_weights, kept)
+    forward = {s.param for s in record.reports["forward"].sites if s.kind == "unshard"}
+    backward = {s.param for s in record.reports["backward"].sites if s.kind == "unshard"}
+    assert backward == forward - set(kept), sorted(forward - set(kept) - backward)
+    return {}
+
+
 def _registry() -> tuple[dict[str, Callable[[int, int], Any]], dict[str, Scenario]]:
     from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
 
     checks = {"eval_no_grad": eval_no_grad_check, "routed_experts_differ": routed_experts_check,
-              "sharded_lookups": sharded_lookup_check, **HF_CHECKS}  # fmt: skip
+              "sharded_lookups": sharded_lookup_check, "blocks_once_gathers_again": blocks_once_check,
+              **HF_CHECKS}  # fmt: skip
     return checks, {**SCENARIOS, **HF_SCENARIOS}
 
 

@@ -64,6 +64,7 @@ def test_parameters_already_dtensors(fake_pg):
         (dict(mp_policy=torch.bfloat16), "mp_policy must be fxshard.MixedPrecision"),
         (dict(reshard_after_forward="yes"), "reshard_after_forward must be True or False"),
         (dict(sharded_embeddings=1), "sharded_embeddings must be True or False"),
+        (dict(compile_blocks_once="yes"), "compile_blocks_once must be True or False"),
     ],
 )
 def test_bad_options(fake_pg, kwargs, match):

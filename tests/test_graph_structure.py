@@ -361,6 +361,7 @@ def test_units_id_names_the_layout(fake_pg):
         (gather, *_) = _nodes(record.forward, AG)
         return gather.args[1], model
 
+    gc.collect()  # models of earlier tests
     a, model_a = units_id(models.TinyLlama())
     other, _ = units_id(models.TinyLlama(tie=False))
     b, model_b = units_id(models.TinyLlama())
@@ -469,3 +470,44 @@ def test_reduce_input_rows_are_never_padded(fake_pg, monkeypatch):
     fxshard.compile(model, backend="inductor")
     model(torch.randn(2, 37)).sum().backward()
     assert seen == [((4, 1184), (1184, 1))], seen
+
+
+def test_alike_blocks_compile_once(fake_pg):
+    """compile_blocks_once: four alike layers call one body, each layer's
+    weights are one unit whose gather is issued while the previous layer
+    computes, and the bodies save no full weight: the backward gathers again."""
+    from examples.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(layers=4))
+    record = _train_once(model, compile_blocks_once=True)
+    assert record.outline.bodies == [[f"layers.{i}" for i in range(4)]] and not record.outline.inline
+    units = model.fxshard_plan.units
+    for i in range(4):  # one unit per block, whatever unit_mb says
+        (unit,) = {units.unit_of[n][0] for n, _ in model.layers[i].named_parameters(prefix=f"layers.{i}")}
+        assert sorted(units.units[unit].names) == sorted(n for n, _ in model.layers[i].named_parameters(f"layers.{i}"))
+    fw = record.forward
+    calls = [n for n in fw.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 4 and len({n.args[0].target for n in calls}) == 1
+    pos, pairs = _positions(fw), _gathers_by_wait(fw)
+    prefetched = 0
+    for gather, wait in pairs:
+        later = [c for c in calls if pos[c] > pos[wait]]
+        if later and later[0] is not calls[0]:  # layer k's unit: issued before layer k - 1's call
+            assert pos[gather] < pos[calls[calls.index(later[0]) - 1]]
+            prefetched += 1
+    assert prefetched == 3
+    kept = units.units[units.unit_of["norm.weight"][0]].names  # the last unit gathered (see tag_unshard)
+    assert sorted(record.saved_full_weights) == sorted(kept) and not any(n.startswith("layers.") for n in kept)
+    back = {s.param for s in record.reports["backward"].sites if s.kind == "unshard"}
+    assert {n for n, _ in model.layers.named_parameters(prefix="layers")} <= back
+
+
+def test_blocks_that_differ_are_not_shared(fake_pg):
+    """A layer that traces differently (another width) gets no shared body:
+    alike layers share one, the odd one stays inline."""
+    from examples.llama import Block, Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(layers=3))
+    model.layers[1] = Block(LlamaConfig(hidden=20))
+    record = _train_once(model, compile_blocks_once=True)
+    assert record.outline.bodies == [["layers.0", "layers.2"]] and record.outline.inline == ["layers.1"]

@@ -7,10 +7,11 @@ import pytest
 from tests.distributed import check_results, run_ranks
 from tests.parity import SCENARIOS, run_all
 
-# routed_experts runs inside routed_experts_differ, llama_untied_ragged inside sharded_lookups.
-INSIDE_CHECKS = ("routed_experts", "llama_untied_ragged")
+# routed_experts runs inside routed_experts_differ, llama_untied_ragged inside
+# sharded_lookups, blocks_once inside blocks_once_gathers_again.
+INSIDE_CHECKS = ("routed_experts", "llama_untied_ragged", "blocks_once")
 CHECKS = [*(name for name in SCENARIOS if name not in INSIDE_CHECKS), "eval_no_grad", "routed_experts_differ",
-          "sharded_lookups"]  # fmt: skip
+          "sharded_lookups", "blocks_once_gathers_again"]  # fmt: skip
 # CPU time on 2 cores: world size 2 runs every check, inductor (C++ compiles)
 # included; 1, 3 and 4 run the checks whose shard layout changes with the
 # world size (empty and ragged shards, tied and direct reads, units).

@@ -21,7 +21,13 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    path = re.sub(r"^L\['self'\]\.?", "", str(path))
+    return dotted_path(str(path))
+
+
+def dotted_path(path: str) -> str:
+    """A module path as dynamo records it (``L['self'].layers[0]``), dotted
+    (``layers.0``)."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"\._(?:modules|parameters)\['([^']+)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)

@@ -37,6 +37,7 @@ from fxshard.passes.bucket import bucket_collectives_pass
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
+from fxshard.passes.outline import OutlineRecord, outline_blocks_pass, reroute_saved_inputs_pass
 from fxshard.passes.lower import lower_collectives_pass, op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
 from fxshard.passes.report import GraphReport, graph_report
@@ -66,6 +67,7 @@ class BackendSpec:
     # The gloo group on which sharded embedding lookups compare token counts
     # ("": a fake group, assume equal); None gathers embedding tables like any weight.
     embedding_count_group: str | None = None
+    outline_blocks: bool = False  # compile each repeated block once (see [Note: outlined blocks])
 
 
 @dataclass
@@ -88,6 +90,7 @@ class GraphRecord:
     arenas: dict[str, ArenaPlan] = field(default_factory=dict)
     units: str = ""  # the model's units, as formatted for the summary
     sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
+    outline: OutlineRecord = field(default_factory=OutlineRecord)
     full_weights_in_forward: dict[str, str] = field(default_factory=dict)  # forward node -> parameter
     saved_full_weights: tuple[str, ...] | None = None  # parameters; known once the backward is compiled
 
@@ -97,6 +100,8 @@ class GraphRecord:
             parts.append(self.units)
         if self.sharded_lookups:
             parts.append(f"sharded embedding lookups (tokens move, not the table): {', '.join(self.sharded_lookups)}\n")
+        if self.outline.bodies:
+            parts.append(self.outline.format())
         for phase, report in self.reports.items():
             parts.append(report.format())
             if phase in self.schedules:
@@ -159,11 +164,13 @@ class FXShardBackend:
             shard_lookups = functools.partial(shard_embedding_pass, count_group_name=self.spec.embedding_count_group,
                                               record=lookups)  # fmt: skip
             captured.append(GraphPass("shard_embedding", shard_lookups))
+        if self.spec.outline_blocks:
+            captured.append(GraphPass("outline_blocks", functools.partial(outline_blocks_pass, record=record.outline)))
         record.captured = run_passes(gm, example_inputs, captured, phase="captured", dumper=dumper)
         record.sharded_lookups = tuple(lookups)
         if self.units is not None:
             first_use = [op_arguments(n)["param"] for n in record.captured.graph.nodes if is_unshard(n)]
-            self.units.assign(first_use, self.spec.unit_bytes)
+            self.units.assign(first_use, self.spec.unit_bytes, blocks=record.outline.weights)
             record.units = format_units(self.units)
         compile_graph = functools.partial(self._compile_graph, record, dumper)
         if self.spec.compiler == "inductor":
@@ -186,7 +193,10 @@ class FXShardBackend:
         unit_of = self.units.unit_names if self.units is not None else None
         tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy, unit_of=unit_of),
                         edits_graph=False)  # fmt: skip
-        return run_passes(joint, joint_inputs, [tag], phase="joint", dumper=dumper)
+        passes = [tag]
+        if self.spec.outline_blocks:
+            passes.insert(0, GraphPass("reroute_saved_inputs", reroute_saved_inputs_pass))
+        return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)
 
     def _compile_graph(
         self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any

@@ -13,7 +13,9 @@ gather. This pass moves collectives, never compute:
 - Prefetch. Unit ``u``'s all-gathers (with the casts and pads that feed them,
   which read only graph inputs) move to just before the first wait of unit
   ``u - prefetch``: they run while that unit computes. Units within the
-  first ``prefetch`` are issued at the start of the graph.
+  first ``prefetch`` are issued at the start of the graph. Units whose waits
+  no compute separates (an outlined block's call needs all of its units)
+  count as one: ``u`` counts these stages, not units.
 - Deferred reduce waits. A reduce-scatter's wait (and the slicing and cast
   after it, which only feed the graph's outputs) moves to just before the
   reduce-scatter issued ``max_reduces_in_flight`` later, or to the end: the
@@ -108,11 +110,17 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
         size += _bytes(g)
 
     if prefetch > 0:
+        stages = _stages(graph, units)
+        first_of_stage = {}
+        for u, stage in enumerate(stages):
+            first_of_stage.setdefault(stage, u)
         moves = [[(g, _input_chain(g)) for g in unit] for unit in units]
-        early = {n for unit in moves[:prefetch] for g, chain in unit if chain is not None for n in (*chain, g)}
+        early = {n for u, unit in enumerate(moves) if stages[u] < prefetch
+                 for g, chain in unit if chain is not None for n in (*chain, g)}  # fmt: skip
         start = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and n not in early)
         for u, unit in enumerate(moves):
-            anchor = start if u < prefetch else _wait_of(units[u - prefetch][0])
+            ahead = stages[u] - prefetch
+            anchor = start if ahead < 0 else _wait_of(units[first_of_stage[ahead]][0])
             pos = {n: i for i, n in enumerate(graph.nodes)}
             for g, chain in unit:
                 if chain is None:
@@ -134,6 +142,25 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
         deferred += 1
     graph.lint()
     return Schedule(tuple(tuple(g.name for g in unit) for unit in units), prefetch, deferred)
+
+
+def _stages(graph: fx.Graph, units: list[list[fx.Node]]) -> list[int]:
+    """Each unit's stage: consecutive units whose waits no compute separates
+    (one op needs them all, such as an outlined block's call) are one stage,
+    and prefetch counts stages, so that a block's units are all issued while
+    the previous block computes."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    stages: list[int] = []
+    previous = None
+    for unit in units:
+        at = pos[_wait_of(unit[0])]
+        computes = previous is not None and any(
+            n.op == "call_function" and n.target not in _COMM and not n.meta.get(LOWERED) for n in nodes[previous + 1 : at]
+        )
+        stages.append(stages[-1] + computes if stages else 0)
+        previous = at
+    return stages
 
 
 def _output_chain(wait: fx.Node, output: fx.Node, anchor: fx.Node) -> list[fx.Node] | None:

@@ -248,22 +248,25 @@ class Units:
     def assigned(self) -> bool:
         return bool(self.units)
 
-    def assign(self, first_use: Sequence[str], unit_bytes: int) -> None:
+    def assign(self, first_use: Sequence[str], unit_bytes: int, blocks: Sequence[Sequence[str]] = ()) -> None:
         """Form the units, once, from the order in which a graph first reads
         the parameters (``rehome`` moves the shards into flat buffers later).
 
         The user's groups come first, each one unit (split where dtypes
-        differ), members in first-use order. The rest, in first-use order,
-        fill units of about ``unit_bytes`` of gathered weights; a unit holds
-        one dtype combination. Parameters the graph never reads get no unit.
+        differ), members in first-use order; then ``blocks``, the weights of
+        each outlined block (see [Note: outlined blocks]), the same way, less
+        what the user listed: a block's call needs all of them at once. The
+        rest, in first-use order, fill units of about ``unit_bytes`` of
+        gathered weights; a unit holds one dtype combination. Parameters the
+        graph never reads get no unit.
         """
         if self.units or self.world_size == 1:
             return
         order = {name: i for i, name in enumerate(first_use)}
         groups: list[list[ParamInfo]] = []
         listed: set[str] = set()
-        for group in self.explicit:
-            members = sorted((n for n in group if n in order), key=order.__getitem__)
+        for group in (*self.explicit, *blocks):
+            members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
             listed.update(group)
             groups.extend(_split_by_dtype([self.params[n] for n in members]))
         current: list[ParamInfo] = []

@@ -1,0 +1,267 @@
+"""Compile each repeated block once (see [Note: outlined blocks]).
+
+[Note: outlined blocks]
+A 32-layer model traces into one graph with 32 copies of the same block, and
+AOTAutograd and Inductor then trace, partition, lower and generate code for
+every copy: most of an 8B model's first step. ``outline_blocks`` replaces
+each block's nodes in the captured graph by one call of torch's
+``invoke_subgraph`` higher-order op on a shared body, so that AOTAutograd
+traces and partitions the body once and Inductor compiles it once; the
+calls take the layer's gathered weights as inputs.
+
+- A block is the nodes of one child of a module list (``layers.<i>``, from
+  the nodes' ``nn_module_stack``), the unshard markers excepted: those stay in
+  the outer graph, where the unit passes gather, free and prefetch them as
+  before, and the block takes the full weights as arguments.
+- Blocks are outlined only where they are alike node for node: the same
+  ops, the same constants, inputs of the same shapes, strides and dtypes. A
+  block that differs gets a body of its own; one alike to none stays inline.
+- Nodes outside a block that the graph interleaves with it (its unshards)
+  move ahead of it; a block whose values are read before its end is left
+  inline, as is one with effects torch cannot replay (in-place ops on
+  inputs, RNG, autocast changes, ``get_attr``/``call_module`` nodes).
+- Saved weights: inside a body a weight is an input, which the body's
+  partition saves for backward as an output of the forward call. The
+  ``tag_unshard`` pass then routes the backward call to the outer unshard
+  instead (see ``reroute_saved_weights``), which the policy recomputes, so
+  the backward gathers again and the forward saves no full weight.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from fxshard.passes.dump import dotted_path
+from fxshard.passes.lower import op_arguments
+from fxshard.passes.markers import is_unshard
+
+_INDEX = re.compile(r"^(?:(.*)\.)?(\d+)$")
+_HOP = torch.ops.higher_order.invoke_subgraph
+_RNG = ("rand", "dropout", "bernoulli", "normal", "multinomial", "randint", "randn", "randperm", "uniform")
+
+
+@dataclass
+class OutlineRecord:
+    """What ``outline_blocks`` did: blocks per body, and blocks left inline."""
+
+    bodies: list[list[str]] = field(default_factory=list)  # per body: the blocks calling it
+    inline: list[str] = field(default_factory=list)
+    weights: list[list[str]] = field(default_factory=list)  # per outlined block: the parameters it reads
+
+    def format(self) -> str:
+        if not self.bodies:
+            return "outlined blocks: none\n"
+        parts = [f"{len(b)} x body {i} ({b[0]}, ...)" if len(b) > 1 else f"body {i} ({b[0]})"
+                 for i, b in enumerate(self.bodies)]  # fmt: skip
+        line = "outlined blocks (each body compiled once): " + ", ".join(parts)
+        if self.inline:
+            line += f"; inline: {', '.join(self.inline)}"
+        return line + "\n"
+
+
+def _block_of(node: fx.Node) -> tuple[str, int] | None:
+    """The outermost ``(list path, index)`` in the node's module stack."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    for path, _cls in stack.values():
+        match = _INDEX.match(dotted_path(str(path)))
+        if match:
+            return match.group(1) or "", int(match.group(2))
+    return None
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _static(value: Any) -> bool:
+    """Whether ``value`` (a node's example value) has only static sizes: a
+    body takes no symbolic sizes from the outer graph."""
+    if isinstance(value, torch.Tensor):
+        return all(isinstance(d, int) for d in (*value.shape, *value.stride()))
+    if isinstance(value, (list, tuple)):
+        return all(_static(v) for v in value)
+    return not isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool)
+
+
+def _tensor_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), tuple(value.stride()), value.dtype, value.requires_grad, value.device.type)
+    if isinstance(value, (list, tuple)):
+        return tuple(_tensor_key(v) for v in value)
+    return repr(type(value))
+
+
+def _replayable(node: fx.Node) -> bool:
+    """Whether a body may hold ``node``: a pure call of a function or method."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if name.endswith("_") and not name.startswith("_") or any(r in name for r in _RNG):
+        return False  # in place, or random
+    if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and node.target.namespace == "fxshard":
+        return False  # a collective: the unit passes must see it
+    return not (isinstance(node.target, torch._ops.HigherOrderOperator) or "autocast" in name or "grad" in name)
+
+
+@dataclass
+class _Block:
+    name: str
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    key: tuple
+
+
+def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
+    members = set(nodes)
+    local = {n: i for i, n in enumerate(nodes)}
+    inputs: dict[fx.Node, int] = {}
+    ops = []
+    for node in nodes:
+        if not _replayable(node) or not _static(_value(node)):
+            return None
+
+        def ref(arg: fx.Node) -> Any:
+            if arg in members:
+                return ("local", local[arg])
+            return ("in", inputs.setdefault(arg, len(inputs)))
+
+        args = fx.node.map_arg((node.args, node.kwargs), ref)
+        ops.append((node.op, node.target, repr(args)))
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    if not outputs or not all(_static(_value(i)) for i in inputs):
+        return None
+    key = (tuple(ops), tuple(_tensor_key(_value(i)) for i in inputs),
+           tuple(_tensor_key(_value(n)) for n in nodes), tuple(local[o] for o in outputs))  # fmt: skip
+    return _Block(name, nodes, list(inputs), outputs, key)
+
+
+def _contiguous(graph: fx.Graph, block: list[fx.Node]) -> bool:
+    """Move the nodes interleaved with ``block`` ahead of it; False if one of
+    them reads the block (the block's values are needed before its end)."""
+    members = set(block)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first, last = order[block[0]], order[block[-1]]
+    between = [n for n in graph.nodes if first < order[n] < last and n not in members]
+    if any(a in members for n in between for a in n.all_input_nodes):
+        return False
+    for node in between:
+        block[0].prepend(node)
+    return True
+
+
+def _body(gm: fx.GraphModule, block: _Block) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, arg in enumerate(block.inputs):
+        env[arg] = graph.placeholder(f"arg{i}")
+        env[arg].meta = {k: v for k, v in arg.meta.items() if k in ("example_value", "val", "tensor_meta")}
+    for node in block.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[o] for o in block.outputs))
+    return fx.GraphModule(gm, graph)
+
+
+def outline_blocks_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, record: OutlineRecord | None = None
+) -> fx.GraphModule:
+    """Replace alike blocks by ``invoke_subgraph`` calls of one body each."""
+    graph = gm.graph
+    by_list: dict[str, dict[int, list[fx.Node]]] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" or node.op == "output" or is_unshard(node):
+            continue
+        where = _block_of(node)
+        if where is not None:
+            by_list.setdefault(where[0], {}).setdefault(where[1], []).append(node)
+    lists = [blocks for blocks in by_list.values() if len(blocks) >= 2]
+    if not lists:
+        return gm
+    blocks_by_index = max(lists, key=len)
+    prefix = next(p for p, b in by_list.items() if b is blocks_by_index)
+    classes: dict[tuple, list[_Block]] = {}
+    inline: list[str] = []
+    for index, nodes in sorted(blocks_by_index.items()):
+        name = f"{prefix}.{index}" if prefix else str(index)
+        block = _make_block(name, nodes) if _contiguous(graph, nodes) else None
+        if block is None:
+            inline.append(name)
+        else:
+            classes.setdefault(block.key, []).append(block)
+    bodies: list[list[str]] = []
+    outlined: list[tuple[_Block, str]] = []
+    weights: list[list[str]] = []
+    for members in classes.values():
+        if len(members) < 2:
+            inline.extend(b.name for b in members)
+            continue
+        body_name = f"fxshard_block_{len(bodies)}"
+        gm.register_module(body_name, _body(gm, members[0]))
+        outlined.extend((block, body_name) for block in members)
+        weights.extend([op_arguments(i)["param"] for i in block.inputs if is_unshard(i)] for block in members)
+        bodies.append([b.name for b in members])
+    renamed: dict[fx.Node, fx.Node] = {}  # a replaced block's outputs -> their getitems
+    for block, body_name in sorted(outlined, key=lambda bb: _position(graph, bb[0].nodes[0])):
+        block.inputs = [renamed.get(i, i) for i in block.inputs]
+        renamed.update(_replace(graph, block, body_name))
+    graph.lint()
+    gm.recompile()
+    if record is not None:
+        record.bodies, record.inline, record.weights = bodies, sorted(inline), weights
+    return gm
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n is node)
+
+
+def _replace(graph: fx.Graph, block: _Block, body_name: str) -> dict[fx.Node, fx.Node]:
+    """Replace ``block`` by a call of ``body_name``; returns its outputs' getitems."""
+    with graph.inserting_after(block.nodes[-1]):
+        body = graph.get_attr(body_name)
+    with graph.inserting_after(body):
+        call = graph.call_function(_HOP, (body, body_name, *block.inputs))
+    call.meta["example_value"] = tuple(_value(o) for o in block.outputs)
+    members = set(block.nodes)
+    items: dict[fx.Node, fx.Node] = {}
+    last = call
+    for i, out in enumerate(block.outputs):
+        with graph.inserting_after(last):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta = dict(out.meta)
+        out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in members)
+        items[out] = last = item
+    for node in reversed(block.nodes):
+        graph.erase_node(node)
+    return items
+
+
+def reroute_saved_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """In a joint graph whose bodies are partitioned: where a forward call
+    returns one of its own inputs for the backward (a body saves the weights
+    it read), read that input instead. A weight then reaches the backward
+    from its unshard, which the reshard policy recomputes, not from the
+    forward call, which the partitioner would have to save."""
+    graph = gm.graph
+    for call in list(graph.nodes):
+        if call.target is not _HOP or call.args[0].op != "get_attr":
+            continue
+        body = getattr(gm, call.args[0].target)
+        placeholders = {n: j for j, n in enumerate(n for n in body.graph.nodes if n.op == "placeholder")}
+        (outputs,) = [n.args[0] for n in body.graph.nodes if n.op == "output"]
+        for item in list(call.users):
+            if item.target is not operator.getitem:
+                continue
+            out = outputs[item.args[1]]
+            if isinstance(out, fx.Node) and out in placeholders:
+                item.replace_all_uses_with(call.args[2 + placeholders[out]])
+                graph.erase_node(item)
+    return gm
