@@ -50,7 +50,9 @@ MODELS = {
 }
 # A smoke test of this script on CPU: --model tiny --device cpu (gloo).
 MODELS["tiny"] = (LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False), 1, 1, 2)
+# fxshard_blocks: fxshard with compile_blocks_once=True (not in the default set).
 SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
+ALL_SYSTEMS = (*SYSTEMS, "fxshard_blocks")
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
 
@@ -65,9 +67,10 @@ def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Llama(cfg)
-    if system == "fxshard":
+    if system in ("fxshard", "fxshard_blocks"):
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
-        return fxshard.compile(model, mesh, mp_policy=mp, **FXSHARD_KWARGS)
+        return fxshard.compile(model, mesh, mp_policy=mp, compile_blocks_once=system == "fxshard_blocks",
+                               **FXSHARD_KWARGS)  # fmt: skip
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -126,7 +129,7 @@ def run_system(system: str, name: str, mesh) -> dict:
         first_step_compile_s=first_step_phases,
         losses=losses, step_times_ms=[t * 1e3 for t in times],
     )  # fmt: skip
-    if system == "fxshard":
+    if system in ("fxshard", "fxshard_blocks"):
         result.update(fxshard_plan_facts(model))
     if profiler is not None:
         result["profile"] = kernel_profile(profiler, PROFILE)
@@ -194,6 +197,7 @@ def fxshard_plan_facts(model: torch.nn.Module) -> dict:
         arena_mib=plan.units.arena.size / 2**20 if plan.units is not None else 0.0,
         graph_peaks_gib={k: v / 2**30 for k, v in graph_peaks.items()},
         predicted_peak_gib=(max(graph_peaks.values()) + 2 * shard_bytes) / 2**30 if graph_peaks else None,
+        outlined=[g.outline.format().strip() for g in plan.graphs],
     )
 
 
@@ -243,8 +247,8 @@ def main() -> None:
         if value is not None:
             FXSHARD_KWARGS[key] = value
     systems = args.systems.split(",")
-    if unknown := set(systems) - set(SYSTEMS):
-        parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if unknown := set(systems) - set(ALL_SYSTEMS):
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if DEVICE == "cuda":

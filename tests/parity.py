@@ -104,10 +104,13 @@ SCENARIOS: dict[str, Scenario] = {
         **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
         compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
     ),
-    "mixed_precision_bf16_inductor": Scenario(  # small units, two in flight: casts, bucketing and prefetch
+    # Small units, two stages in flight: casts, bucketing and prefetch; the
+    # layers outlined (Inductor compiles one body). llama_tied_inductor and
+    # mamba_direct_reads_inductor compile flat graphs.
+    "mixed_precision_bf16_inductor": Scenario(
         **UNTIED, make_batch=_tokens, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
         compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
-                            unit_mb=0.003, prefetch=2),
+                            unit_mb=0.003, prefetch=2, compile_blocks_once=True),
     ),
     # Units (one all-gather and one reduce-scatter each) at several sizes and
     # prefetch depths; the default 256 MiB makes each small model one unit.
@@ -121,11 +124,6 @@ SCENARIOS: dict[str, Scenario] = {
     # Each layer a call of one compiled body (see [Note: outlined blocks]).
     "blocks_once": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
                                                          compile_blocks_once=True)),  # fmt: skip
-    "blocks_once_bf16_inductor": Scenario(
-        **UNTIED, make_batch=_tokens, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
-        compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
-                            unit_mb=0.003, compile_blocks_once=True),
-    ),
     "uneven_units_prefetch1": Scenario(
         make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
         compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=1),

@@ -352,25 +352,27 @@ def test_compiles_on_one_mesh_share_the_reduce_group(fake_pg):
     assert compat.group_is_live(compat.resolve_group(name))
 
 
-def test_units_id_names_the_layout(fake_pg):
+def test_units_id_names_the_layout():
     """Compiled graphs name their Units by id, and torch caches them on disk:
     the id depends on the layout only, never on what the process built before,
-    and two live models of one layout get two ids."""
-    def units_id(model):
-        record = _train_once(model, unit_mb=0.003)
-        (gather, *_) = _nodes(record.forward, AG)
-        return gather.args[1], model
+    and two live Units of one layout get two ids."""
+    from fxshard.runtime.units import ParamInfo, Units
 
-    gc.collect()  # models of earlier tests
-    a, model_a = units_id(models.TinyLlama())
-    other, _ = units_id(models.TinyLlama(tie=False))
-    b, model_b = units_id(models.TinyLlama())
-    assert other != a and b == a + 1
-    del model_a, model_b
-    torch._dynamo.reset()  # dynamo's caches hold the compiled models
+    def units(*shapes):
+        infos = [ParamInfo(f"w{i}", shape, shape[0] // 2, torch.float32, torch.float32, torch.float32,
+                           torch.device("cpu"), lambda: None, lambda t: None) for i, shape in enumerate(shapes)]  # fmt: skip
+        u = Units(infos, 2, "0", "1")
+        u.assign([info.fqn for info in infos], unit_bytes=2**20)
+        return u
+
+    a = units((4, 3), (6, 2))
+    other = units((4, 3), (6, 3))
+    b = units((4, 3), (6, 2))
+    assert other.id != a.id and b.id == a.id + 1
+    a_id = a.id
+    del a, b
     gc.collect()
-    c, _ = units_id(models.TinyLlama())
-    assert c == a
+    assert units((4, 3), (6, 2)).id == a_id
 
 
 def _check_arena(plan) -> None:

@@ -40,10 +40,12 @@ import torch.fx as fx
 from fxshard.passes.dump import dotted_path
 from fxshard.passes.lower import op_arguments
 from fxshard.passes.markers import is_unshard
+from fxshard.runtime import compat
 
 _INDEX = re.compile(r"^(?:(.*)\.)?(\d+)$")
-_HOP = torch.ops.higher_order.invoke_subgraph
-_RNG = ("rand", "dropout", "bernoulli", "normal", "multinomial", "randint", "randn", "randperm", "uniform")
+_HOP = compat.invoke_subgraph_op()
+_RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+                     "normal", "multinomial", "uniform", "rrelu", "poisson"})  # fmt: skip
 
 
 @dataclass
@@ -104,11 +106,12 @@ def _replayable(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    if name.endswith("_") and not name.startswith("_") or any(r in name for r in _RNG):
+    name = name.split(".")[0]  # an OpOverload's "randn.default"
+    if name.endswith("_") and not name.startswith("_") or name in _RANDOM or "dropout" in name:
         return False  # in place, or random
     if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and node.target.namespace == "fxshard":
         return False  # a collective: the unit passes must see it
-    return not (isinstance(node.target, torch._ops.HigherOrderOperator) or "autocast" in name or "grad" in name)
+    return not (compat.is_higher_order_op(node.target) or "autocast" in name or "grad" in name)
 
 
 @dataclass
@@ -175,6 +178,8 @@ def outline_blocks_pass(
 ) -> fx.GraphModule:
     """Replace alike blocks by ``invoke_subgraph`` calls of one body each."""
     graph = gm.graph
+    if _HOP is None:
+        return gm
     by_list: dict[str, dict[int, list[fx.Node]]] = {}
     for node in graph.nodes:
         if node.op == "placeholder" or node.op == "output" or is_unshard(node):
@@ -182,20 +187,20 @@ def outline_blocks_pass(
         where = _block_of(node)
         if where is not None:
             by_list.setdefault(where[0], {}).setdefault(where[1], []).append(node)
-    lists = [blocks for blocks in by_list.values() if len(blocks) >= 2]
-    if not lists:
-        return gm
-    blocks_by_index = max(lists, key=len)
-    prefix = next(p for p, b in by_list.items() if b is blocks_by_index)
     classes: dict[tuple, list[_Block]] = {}
     inline: list[str] = []
-    for index, nodes in sorted(blocks_by_index.items()):
-        name = f"{prefix}.{index}" if prefix else str(index)
-        block = _make_block(name, nodes) if _contiguous(graph, nodes) else None
-        if block is None:
-            inline.append(name)
-        else:
-            classes.setdefault(block.key, []).append(block)
+    for prefix, blocks_by_index in by_list.items():
+        if len(blocks_by_index) < 2:
+            continue
+        for index, nodes in sorted(blocks_by_index.items()):
+            name = f"{prefix}.{index}" if prefix else str(index)
+            block = _make_block(name, nodes) if _contiguous(graph, nodes) else None
+            if block is None:
+                inline.append(name)
+            else:
+                classes.setdefault(block.key, []).append(block)
+    if not classes and not inline:
+        return gm
     bodies: list[list[str]] = []
     outlined: list[tuple[_Block, str]] = []
     weights: list[list[str]] = []

@@ -42,6 +42,8 @@ __all__ = [
     "inductor_row_alignment_bytes",
     "group_backend",
     "group_is_live",
+    "invoke_subgraph_op",
+    "is_higher_order_op",
     "local_tensor",
     "replace_local_tensor",
     "resolve_group",
@@ -186,6 +188,16 @@ def resolve_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def invoke_subgraph_op() -> Any:
+    """torch's ``invoke_subgraph`` higher-order op (a call of a subgraph that
+    AOTAutograd and Inductor compile once per body), or None without it."""
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def is_higher_order_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.HigherOrderOperator)
 
 
 def group_is_live(group: Any) -> bool:
