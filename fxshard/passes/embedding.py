@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import is_unshard
+from fxshard.passes.markers import example_value, is_unshard
 from fxshard.runtime.embedding import EMBEDDING
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
@@ -44,7 +44,7 @@ def shard_embedding_pass(
         if not is_unshard(node) or not node.users:
             continue
         a = op_arguments(node)
-        val = node.meta.get("example_value", node.meta.get("val"))
+        val = example_value(node)
         if a["world_size"] == 1 or val is None or val.dim() != 2:
             continue
         lookups = [(user, _plain_lookup(user, node)) for user in node.users]

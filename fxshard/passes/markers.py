@@ -47,6 +47,12 @@ def value_nbytes(val: object) -> int:
     return 0
 
 
+def example_value(node: object) -> object:
+    """The value a captured graph's node stands for (dynamo's
+    ``example_value``, or ``val``); None for a non-node argument."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
 def nbytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 when unknown)."""
     return value_nbytes(node.meta.get("val"))

@@ -36,10 +36,12 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.passes.dump import dotted_path
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import is_unshard
+from fxshard.passes.markers import example_value, full_weight_views, is_unshard
+from fxshard.passes.tagging import backward_nodes
 from fxshard.runtime import compat
 
 _INDEX = re.compile(r"^(?:(.*)\.)?(\d+)$")
@@ -79,10 +81,6 @@ def _block_of(node: fx.Node) -> tuple[str, int] | None:
     return None
 
 
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
-
-
 def _static(value: Any) -> bool:
     """Whether ``value`` (a node's example value) has only static sizes: a
     body takes no symbolic sizes from the outer graph."""
@@ -109,7 +107,7 @@ def _replayable(node: fx.Node) -> bool:
     name = name.split(".")[0]  # an OpOverload's "randn.default"
     if name.endswith("_") and not name.startswith("_") or name in _RANDOM or "dropout" in name:
         return False  # in place, or random
-    if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) and node.target.namespace == "fxshard":
+    if str(node.target).startswith("fxshard."):  # an fxshard op (OpOverload or packet)
         return False  # a collective: the unit passes must see it
     return not (compat.is_higher_order_op(node.target) or "autocast" in name or "grad" in name)
 
@@ -129,7 +127,7 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
     inputs: dict[fx.Node, int] = {}
     ops = []
     for node in nodes:
-        if not _replayable(node) or not _static(_value(node)):
+        if not _replayable(node) or not _static(example_value(node)):
             return None
 
         def ref(arg: fx.Node) -> Any:
@@ -140,10 +138,10 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
         args = fx.node.map_arg((node.args, node.kwargs), ref)
         ops.append((node.op, node.target, repr(args)))
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
-    if not outputs or not all(_static(_value(i)) for i in inputs):
+    if not outputs or not all(_static(example_value(i)) for i in inputs):
         return None
-    key = (tuple(ops), tuple(_tensor_key(_value(i)) for i in inputs),
-           tuple(_tensor_key(_value(n)) for n in nodes), tuple(local[o] for o in outputs))  # fmt: skip
+    key = (tuple(ops), tuple(_tensor_key(example_value(i)) for i in inputs),
+           tuple(_tensor_key(example_value(n)) for n in nodes), tuple(local[o] for o in outputs))  # fmt: skip
     return _Block(name, nodes, list(inputs), outputs, key)
 
 
@@ -214,7 +212,8 @@ def outline_blocks_pass(
         weights.extend([op_arguments(i)["param"] for i in block.inputs if is_unshard(i)] for block in members)
         bodies.append([b.name for b in members])
     renamed: dict[fx.Node, fx.Node] = {}  # a replaced block's outputs -> their getitems
-    for block, body_name in sorted(outlined, key=lambda bb: _position(graph, bb[0].nodes[0])):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for block, body_name in sorted(outlined, key=lambda bb: order[bb[0].nodes[0]]):
         block.inputs = [renamed.get(i, i) for i in block.inputs]
         renamed.update(_replace(graph, block, body_name))
     graph.lint()
@@ -224,17 +223,13 @@ def outline_blocks_pass(
     return gm
 
 
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    return next(i for i, n in enumerate(graph.nodes) if n is node)
-
-
 def _replace(graph: fx.Graph, block: _Block, body_name: str) -> dict[fx.Node, fx.Node]:
     """Replace ``block`` by a call of ``body_name``; returns its outputs' getitems."""
     with graph.inserting_after(block.nodes[-1]):
         body = graph.get_attr(body_name)
     with graph.inserting_after(body):
         call = graph.call_function(_HOP, (body, body_name, *block.inputs))
-    call.meta["example_value"] = tuple(_value(o) for o in block.outputs)
+    call.meta["example_value"] = tuple(example_value(o) for o in block.outputs)
     members = set(block.nodes)
     items: dict[fx.Node, fx.Node] = {}
     last = call
@@ -269,4 +264,21 @@ def reroute_saved_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any])
             if isinstance(out, fx.Node) and out in placeholders:
                 item.replace_all_uses_with(call.args[2 + placeholders[out]])
                 graph.erase_node(item)
+    return gm
+
+
+def tag_body_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """On a body's joint (one without unshards): recompute the views and
+    casts of its inputs, so that its partition saves the inputs themselves,
+    which ``reroute_saved_inputs`` hands to the outer graph's recomputed
+    unshards, rather than a transposed weight. Views cost nothing to
+    recompute. The outer joint (it has unshards) is left to ``tag_unshard``."""
+    graph = gm.graph
+    if any(is_unshard(n) for n in graph.nodes):
+        return gm
+    in_backward = backward_nodes(graph)
+    for node in graph.nodes:
+        if node.op == "placeholder" and node not in in_backward:
+            for view in full_weight_views(node, exclude=in_backward)[1:]:
+                view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return gm

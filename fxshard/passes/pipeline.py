@@ -37,9 +37,14 @@ from fxshard.passes.bucket import bucket_collectives_pass
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
-from fxshard.passes.outline import OutlineRecord, outline_blocks_pass, reroute_saved_inputs_pass
 from fxshard.passes.lower import lower_collectives_pass, op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
+from fxshard.passes.outline import (
+    OutlineRecord,
+    outline_blocks_pass,
+    reroute_saved_inputs_pass,
+    tag_body_inputs_pass,
+)
 from fxshard.passes.report import GraphReport, graph_report
 from fxshard.passes.runner import GraphPass, run_passes
 from fxshard.passes.schedule import Schedule, schedule_collectives_pass
@@ -194,8 +199,10 @@ class FXShardBackend:
         tag = GraphPass("tag_unshard", functools.partial(tag_unshard_pass, policy=self._policy, unit_of=unit_of),
                         edits_graph=False)  # fmt: skip
         passes = [tag]
-        if self.spec.outline_blocks:
+        if self.spec.outline_blocks:  # see [Note: outlined blocks]
             passes.insert(0, GraphPass("reroute_saved_inputs", reroute_saved_inputs_pass))
+            if self._policy == CheckpointPolicy.MUST_RECOMPUTE:
+                passes.insert(1, GraphPass("tag_body_inputs", tag_body_inputs_pass, edits_graph=False))
         return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)
 
     def _compile_graph(

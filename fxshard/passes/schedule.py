@@ -155,9 +155,8 @@ def _stages(graph: fx.Graph, units: list[list[fx.Node]]) -> list[int]:
     previous = None
     for unit in units:
         at = pos[_wait_of(unit[0])]
-        computes = previous is not None and any(
-            n.op == "call_function" and n.target not in _COMM and not n.meta.get(LOWERED) for n in nodes[previous + 1 : at]
-        )
+        between = nodes[previous + 1 : at] if previous is not None else []
+        computes = any(n.op == "call_function" and n.target not in _COMM and not n.meta.get(LOWERED) for n in between)
         stages.append(stages[-1] + computes if stages else 0)
         previous = at
     return stages

@@ -48,8 +48,6 @@ def tag_unshard_graph(
     ``MUST_RECOMPUTE``, the unit of the forward's last unshard is kept."""
     in_backward = backward_nodes(graph)
     unshards = [n for n in graph.nodes if is_unshard(n) and n not in in_backward]
-    if not unshards and policy == CheckpointPolicy.MUST_RECOMPUTE:
-        return _tag_input_views(graph, in_backward)
     keep: Collection[str] = ()
     if unit_of is not None and policy == CheckpointPolicy.MUST_RECOMPUTE and unshards and in_backward:
         keep = unit_of(op_arguments(unshards[-1])["param"])
@@ -58,21 +56,6 @@ def tag_unshard_graph(
         for chain_node in full_weight_views(node, exclude=in_backward):
             chain_node.meta["recompute"] = tag
     return len(unshards)
-
-
-def _tag_input_views(graph: fx.Graph, in_backward: set[fx.Node]) -> int:
-    """A joint without unshards: an outlined block's body (see [Note: outlined
-    blocks]), whose inputs include full weights. Recompute the views and casts
-    of its inputs, so that its partition saves the inputs themselves, which
-    ``reroute_saved_inputs`` hands to the outer graph's recomputed unshards,
-    rather than a transposed weight. Views cost nothing to recompute."""
-    tagged = 0
-    for node in graph.nodes:
-        if node.op == "placeholder" and node not in in_backward:
-            for view in full_weight_views(node, exclude=in_backward)[1:]:
-                view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                tagged += 1
-    return tagged
 
 
 def tag_unshard_pass(
