@@ -257,20 +257,20 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    cuda = DEVICE == "cuda"
+    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=dist.get_world_size(),
+                torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+                precision="bf16 compute, fp32 reduce",
+                nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS)  # fmt: skip
     results = []
     for system in systems:
         results.append(run_system(system, args.model, mesh))
         if dist.get_rank() == 0:
             print(table(results[-1:]), flush=True)
+            if args.out:  # after every system, so that a later failure keeps the earlier results
+                Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     if dist.get_rank() == 0:
-        cuda = DEVICE == "cuda"
-        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=dist.get_world_size(),
-                    torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
-                    precision="bf16 compute, fp32 reduce",
-                    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS)  # fmt: skip
         print(table(results))
-        if args.out:
-            Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     dist.destroy_process_group()
 
 

@@ -39,7 +39,10 @@ Where the buffers live:
   ``plan_arena`` pass computes from each graph's liveness. It never appears
   in a compiled graph: the graph holds a token from the start op to its wait
   op, so Inductor can never reuse arena bytes for its own buffers, and the
-  runtime keeps the input alive until the wait (gloo and NCCL alike).
+  runtime keeps the input alive until the wait (gloo and NCCL alike). On
+  CUDA the cast and its collective run on a side stream forked from the
+  compute stream where the start is (``Units._cast_stream``); the wait joins
+  it back. The slot's previous collective was waited before that point.
 - The reduce's rank-major input is a graph value. The wait op takes it as
   an argument, so the compiled graph keeps it alive, unwritten, until the
   collective is done, just as the arena would.
@@ -58,6 +61,7 @@ Where the buffers live:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -230,6 +234,7 @@ class Units:
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
         self._nccl: dict[str, bool] = {}  # group name -> whether it is NCCL, on first use
+        self._stream: torch.cuda.Stream | None = None  # see _cast_stream
         self.id: int | None = None  # set when the units are formed
 
     def _register(self) -> None:
@@ -340,20 +345,36 @@ class Units:
     def gather_start(self, unit: int, offsets: Sequence[int]) -> None:
         u = self.units[unit]
         ws = self.world_size
-        out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
-        inp = u.flat_shard()
-        if offsets:  # cast into the arena
-            cast = self.arena.view(offsets[0], u.numel, u.gather_dtype)
-            cast.copy_(inp)
-            inp = cast
-        inputs = [inp[m.offset : m.offset + m.slot] for m in u.members]
-        outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
         key = ("gather", unit, tuple(offsets))
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
-        group = self._group(self.group_name)
-        work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
+        out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
+        inp = u.flat_shard()
+        stream = self._cast_stream(u.device) if offsets else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if offsets:  # cast into the arena
+                cast = self.arena.view(offsets[0], u.numel, u.gather_dtype)
+                cast.copy_(inp)
+                inp = cast
+            inputs = [inp[m.offset : m.offset + m.slot] for m in u.members]
+            outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
+            group = self._group(self.group_name)
+            work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
         self._pending[key] = (work, inp, out)
+
+    def _cast_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
+        """The side stream a gather's cast and collective are issued on (CUDA
+        only), forked from the current stream: the cast of a prefetched unit
+        then runs beside the compute it was issued before, not ahead of it.
+        The collective follows the cast on that stream, and its wait joins the
+        current stream again. On the 8B benchmark the casts on the compute
+        stream took about 6 ms of the step (both gathers of every unit)."""
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        return self._stream
 
     def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
         work, _, out = self._pending.pop(("gather", unit, tuple(offsets)))
