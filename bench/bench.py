@@ -91,6 +91,8 @@ def tokens_for(step: int, rank: int, batch: int, vocab: int) -> torch.Tensor:
 def run_system(system: str, name: str, mesh) -> dict:
     cfg, batch, warmup, steps = MODELS[name]
     rank = dist.get_rank()
+    # What an earlier system left allocated: its peak is not this one's.
+    leftover = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
     model = build(system, cfg, mesh)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -118,14 +120,14 @@ def run_system(system: str, name: str, mesh) -> dict:
             first_step_phases = compat.compile_phase_times()
     if profiler is not None:
         profiler.__exit__(None, None, None)
-    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated() - leftover if DEVICE == "cuda" else 0
     step = statistics.median(times[warmup:])
     tokens_per_gpu = batch * SEQ
     flops = (6 * params + 6 * cfg.layers * SEQ * cfg.dim) * tokens_per_gpu
     result = dict(
         model=name, system=system, params=params, batch=batch, seq=SEQ, world_size=dist.get_world_size(),
         step_ms=step * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / step, tflops_per_gpu=flops / step / 1e12,
-        peak_gib=peak / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
+        peak_gib=peak / 2**30, leftover_gib=leftover / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
         first_step_compile_s=first_step_phases,
         losses=losses, step_times_ms=[t * 1e3 for t in times],
     )  # fmt: skip

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -153,9 +154,22 @@ class FXShardBackend:
 
     def __init__(self, spec: BackendSpec, units: Units | None = None) -> None:
         self.spec = spec
-        self.units = units  # None: every parameter is gathered and reduced on its own
+        # Weak: torch keeps compiled functions, and through them their
+        # backend, after the model is gone (in the frame's globals until its
+        # cache entry dies); the model's plan holds the units.
+        self._units = weakref.ref(units) if units is not None else None
         self.graphs: list[GraphRecord] = []
         self._policy = CheckpointPolicy.MUST_RECOMPUTE if spec.reshard_after_forward else CheckpointPolicy.MUST_SAVE
+
+    @property
+    def units(self) -> Units | None:
+        """None: every parameter is gathered and reduced on its own."""
+        if self._units is None:
+            return None
+        units = self._units()
+        if units is None:
+            raise RuntimeError("fxshard: this backend's model was freed; compile a live model")
+        return units
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         record = GraphRecord(index=len(self.graphs))

@@ -8,6 +8,7 @@ the one file to change.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -193,7 +194,62 @@ def resolve_group(group_name: str) -> Any:
 def invoke_subgraph_op() -> Any:
     """torch's ``invoke_subgraph`` higher-order op (a call of a subgraph that
     AOTAutograd and Inductor compile once per body), or None without it."""
-    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    op = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    if op is not None:
+        _cache_invoke_subgraph_schemas(op)
+    return op
+
+
+# Schemas of invoke_subgraph calls, per body graph (see below).
+_SUBGRAPH_SCHEMAS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+
+
+def _cache_invoke_subgraph_schemas(op: Any) -> None:
+    """Before torch 2.12 (no ``get_functionalize_schema_entry`` on the
+    invoke_subgraph cache), every call of ``invoke_subgraph`` traces its body
+    again to build the op's schema, once under functionalization and once
+    under autograd: AOTAutograd's joint trace of 32 outlined 8B layers took
+    17.8 s on torch 2.11 against 7.4 s for the same layers inline, and 19.3
+    against 7.9 s (torch 2.13) for a toy model on CPU. The schema depends on
+    the body graph and the operands' types only, so it is computed once per
+    body graph and operand layout. Later torch caches it itself; this does
+    nothing there."""
+    hop = type(op)
+    if _torch_caches_subgraph_schemas() or getattr(hop, "_fxshard_schema_cache", False):
+        return
+    uncached = hop.gen_schema
+
+    def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
+        keys = [_operand_key(o) for o in operands]
+        if not isinstance(subgraph, torch.fx.GraphModule) or None in keys:
+            return uncached(self, subgraph, identifier, *operands)
+        key = (identifier, tuple(keys))
+        schemas = _SUBGRAPH_SCHEMAS.setdefault(subgraph, {})
+        if key not in schemas:
+            schemas[key] = uncached(self, subgraph, identifier, *operands)
+        return schemas[key]
+
+    hop.gen_schema = gen_schema
+    hop._fxshard_schema_cache = True
+
+
+def _torch_caches_subgraph_schemas() -> bool:
+    from torch._guards import InvokeSubgraphCache
+
+    return hasattr(InvokeSubgraphCache, "get_functionalize_schema_entry")
+
+
+def _operand_key(value: Any) -> Any:
+    """What a schema may depend on, of one operand; None where that is not
+    plain data (symbolic sizes: no cache)."""
+    if isinstance(value, torch.Tensor):
+        sizes = (*value.shape, *value.stride())
+        if not all(type(n) is int for n in sizes):
+            return None
+        return ("tensor", sizes, value.dtype, str(value.device), value.requires_grad)
+    if isinstance(value, (int, float, bool)) and not isinstance(value, torch.SymInt):
+        return (type(value).__name__, value)
+    return None
 
 
 def is_higher_order_op(target: Any) -> bool:

@@ -259,9 +259,10 @@ class Units:
 
         The user's groups come first, each one unit (split where dtypes
         differ), members in first-use order; then ``blocks``, the weights of
-        each outlined block (see [Note: outlined blocks]), the same way, less
-        what the user listed: a block's call needs all of them at once. The
-        rest, in first-use order, fill units of about ``unit_bytes`` of
+        each outlined block (see [Note: outlined blocks]), less what the user
+        listed: a block's call needs all of them at once, so a block is never
+        split, and consecutive blocks join into units of about ``unit_bytes``.
+        The rest, in first-use order, fill units of about ``unit_bytes`` of
         gathered weights; a unit holds one dtype combination. Parameters the
         graph never reads get no unit.
         """
@@ -270,10 +271,16 @@ class Units:
         order = {name: i for i, name in enumerate(first_use)}
         groups: list[list[ParamInfo]] = []
         listed: set[str] = set()
-        for group in (*self.explicit, *blocks):
+        for group in self.explicit:
             members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
             listed.update(group)
             groups.extend(_split_by_dtype([self.params[n] for n in members]))
+        whole: list[list[ParamInfo]] = []  # each block's weights, by dtype
+        for group in blocks:
+            members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
+            listed.update(group)
+            whole.extend(_split_by_dtype([self.params[n] for n in members]))
+        groups.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
         current: list[ParamInfo] = []
         size = 0
         for name in first_use:
@@ -405,6 +412,24 @@ class Units:
         if not self._on_nccl(self.reduce_group_name):
             out.div_(self.world_size)
         return out.to(self.units[unit].shard_dtype)
+
+
+def _gathered_bytes(infos: Sequence[ParamInfo]) -> int:
+    return sum(math.prod(i.shape) * i.gather_dtype.itemsize for i in infos)
+
+
+def _fill(blocks: list[list[ParamInfo]], unit_bytes: int) -> list[list[ParamInfo]]:
+    """Consecutive blocks (each never split) joined into units of about
+    ``unit_bytes``, as the rest of the parameters are: a unit is closed once
+    it holds ``unit_bytes`` or the next block's dtypes differ."""
+    units: list[list[ParamInfo]] = []
+    for block in blocks:
+        last = units[-1] if units else None
+        if last and _gathered_bytes(last) < unit_bytes and _dtype_key(last[0]) == _dtype_key(block[0]):
+            last.extend(block)
+        else:
+            units.append(list(block))
+    return units
 
 
 def _dtype_key(info: ParamInfo) -> tuple:
