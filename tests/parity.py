@@ -296,11 +296,85 @@ def blocks_once_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def _holders(obj: Any, depth: int = 30) -> str:
+    """A chain of referrers from ``obj`` up to a module or a thread's frame:
+    what keeps it alive (for the failure message)."""
+    import gc
+    import sys
+    import types
+
+    mods = {id(m.__dict__): n for n, m in list(sys.modules.items()) if m is not None and n != "__main__"}
+    parent: dict[int, int | None] = {id(obj): None}
+    objs, frontier, root = {id(obj): obj}, [obj], None
+    for _ in range(depth):
+        nxt: list = []
+        for o in frontier:
+            for r in gc.get_referrers(o):
+                if id(r) in parent or r is frontier or r is nxt or r is parent or r is objs:
+                    continue
+                if isinstance(r, types.FrameType) and r.f_code.co_filename == __file__:
+                    continue
+                parent[id(r)], objs[id(r)] = id(o), r
+                if id(r) in mods or isinstance(r, types.FrameType):
+                    root = id(r)
+                    break
+                nxt.append(r)
+            if root is not None:
+                break
+        if root is not None or not nxt:
+            break
+        frontier = nxt
+    chain, key = [], root
+    while key is not None:
+        r = objs[key]
+        chain.append(f"module {mods[key]}" if key in mods else f"{type(r).__module__}.{type(r).__qualname__}")
+        key = parent[key]
+    return " <- ".join(reversed(chain)) if chain else "no root found"
+
+
+def dropped_model_check(rank: int, world_size: int) -> dict:
+    """A compiled, trained model that the user drops frees everything:
+    its units (and so its flat shards), and on GPUs every byte it allocated,
+    flat and with outlined blocks. torch keeps compiled functions after their
+    model is gone; the benchmark found 8 GiB of an 8B model left behind."""
+    import gc
+    import weakref
+
+    from examples.llama import Llama, LlamaConfig
+
+    device = _device(rank)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    for blocks in (False, True):
+        gc.collect()
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab=64, dim=64, layers=3, heads=4, hidden=96)).to(device)
+        fxshard.compile(model, mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32), backend=backend,
+                        compile_blocks_once=blocks)  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters())
+        for step in range(2):
+            tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step)).to(device)
+            lm_loss(model(tokens), tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        units = weakref.ref(model.fxshard_plan.units) if model.fxshard_plan.units is not None else lambda: None
+        del model, opt, tokens
+        gc.collect()
+        alive = units()
+        assert alive is None, f"blocks={blocks}: the dropped model's units are alive: {_holders(alive)}"
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            left = torch.cuda.memory_allocated(device) - before
+            assert left <= 0, f"blocks={blocks}: the dropped model left {left} bytes allocated"
+    return {}
+
+
 def _registry() -> tuple[dict[str, Callable[[int, int], Any]], dict[str, Scenario]]:
     from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
 
     checks = {"eval_no_grad": eval_no_grad_check, "routed_experts_differ": routed_experts_check,
               "sharded_lookups": sharded_lookup_check, "blocks_once_gathers_again": blocks_once_check,
+              "dropped_model_frees_memory": dropped_model_check,
               **HF_CHECKS}  # fmt: skip
     return checks, {**SCENARIOS, **HF_SCENARIOS}
 

@@ -356,7 +356,7 @@ class Units:
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
-        inp = u.flat_shard()
+        inp = source = u.flat_shard()  # a copy until ``rehome``: kept until the wait (see below)
         stream = self._cast_stream(u.device) if offsets else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if offsets:  # cast into the arena
@@ -367,7 +367,11 @@ class Units:
             outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
             group = self._group(self.group_name)
             work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
-        self._pending[key] = (work, inp, out)
+        # Everything the side stream reads stays referenced until the wait has
+        # joined it to the current stream: the caching allocator would hand a
+        # freed ``source`` to the next allocation on the current stream while
+        # the cast still read it (the first step's forward gathered garbage).
+        self._pending[key] = (work, (inp, source), out)
 
     def _cast_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
         """The side stream a gather's cast and collective are issued on (CUDA
