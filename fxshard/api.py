@@ -190,6 +190,9 @@ def _count_group(mesh: DeviceMesh) -> str:
     return _side_group(group, "count", backend="gloo").group_name
 
 
+PLAN = "_fxshard_plan"  # the ShardPlan, in the root's instance __dict__
+
+
 def compile(  # noqa: A001 - the public name, as in torch.compile
     model: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -280,6 +283,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         model.compile(backend=compiled, fullgraph=True)
         state.on_graph_break = lambda error: model.compile(backend=compiled, fullgraph=False)
     plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state, unit_plan)
-    type(model).fxshard_plan = property(lambda self: plan, doc="The ShardPlan fxshard.compile made.")
+    # On the instance: the class may outlive the model (see sharding._root_methods).
+    model.__dict__[PLAN] = plan
+    type(model).fxshard_plan = property(lambda self: self.__dict__[PLAN], doc="The ShardPlan fxshard.compile made.")
     log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
     return model

@@ -241,20 +241,27 @@ def _root_forward(self, *args, **kwargs):
     return _base.forward(self, *args, **kwargs)  # noqa: F821 - _base is in the copy's own globals
 
 
-def _root_methods(base: type, state: RootState) -> dict[str, object]:
+ROOT_STATE = "_fxshard_root_state"  # the root module's RootState, in its instance __dict__
+
+
+def _root_methods(base: type) -> dict[str, object]:
     """The root's ``forward``, a copy of ``_root_forward`` with its own code
     object and its own globals. Dynamo stores each function it compiles in
     the globals of the frame it compiled (``__compiled_fn_<n>``), and keeps
     its cache on the code object: a ``forward`` that every root shared, with
     this module's globals, kept every compiled model, its shards and its
     units alive for the life of the process (8 GiB per 8B model on 4 ranks),
-    ``torch._dynamo.reset()`` or not. The copy's globals die with the class."""
+    ``torch._dynamo.reset()`` or not. The copy's globals die with the class.
+
+    The class holds nothing of the model's: caches keep classes (Python's
+    ``inspect`` memoizes lookups by class), so the root's state, which holds
+    its modules and units, lives on the instance (``ROOT_STATE``)."""
     code = _root_forward.__code__.replace()
     forward = types.FunctionType(code, {"__builtins__": builtins, "__name__": __name__, "_base": base}, "forward")
     forward.__qualname__ = f"FXShard{base.__name__}.forward"
 
     def __call__(self, *args, **kwargs):
-        return state.call(self, base, args, kwargs)
+        return self.__dict__[ROOT_STATE].call(self, base, args, kwargs)
 
     return {"forward": forward, "__call__": __call__}
 
@@ -263,7 +270,8 @@ def _swap_class(module: nn.Module, properties: dict[str, property], state: RootS
     base = type(module)
     namespace: dict[str, object] = dict(properties)
     if state is not None:
-        namespace.update(_root_methods(base, state))
+        namespace.update(_root_methods(base))
+        module.__dict__[ROOT_STATE] = state
     mixin = FXShardModule if state is None else FXShardRoot
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 

@@ -50,7 +50,12 @@ class CheckpointedLlama(Llama):
 
 
 HF_SCENARIOS: dict[str, Scenario] = {
-    **{f"hf_{name}": _hf(name) for name in hf_models.MODELS},
+    **{f"hf_{name}": _hf(name) for name in hf_models.MODELS if name != "mamba"},
+    # Mamba's fused scan under Inductor on GPUs sums in another order: one
+    # embedding element of 2144 came out 2.9e-5 off after the first AdamW
+    # step (Adam's first update divides by |grad|, so a tiny gradient's
+    # rounding shows at the scale of the learning rate).
+    "hf_mamba": _hf("mamba", atol=5e-5),
     "hf_llama_gradient_checkpointing": _hf("llama", prepare=_checkpointing()),
     "hf_qwen3_gradient_checkpointing_reentrant": _hf("qwen3", prepare=_checkpointing(use_reentrant=True)),
     "llama_block_checkpoint": Scenario(

@@ -363,9 +363,11 @@ def test_a_dropped_model_frees_its_shards(fake_pg):
     _train_once(model)
     units, params = weakref.ref(model.fxshard_plan.units), weakref.ref(next(model.parameters()))
     flat = weakref.ref(model.fxshard_plan.units.units[0].flat)
+    cls = type(model)  # caches keep classes (Python's inspect memoizes by class): it must hold nothing
     del model
     gc.collect()
     assert units() is None and params() is None and flat() is None
+    assert cls.__name__.startswith("FXShard")
 
 
 def test_models_compile_past_dynamos_recompile_limit(fake_pg):
