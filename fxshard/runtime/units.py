@@ -41,7 +41,7 @@ Where the buffers live:
   op, so Inductor can never reuse arena bytes for its own buffers, and the
   runtime keeps the input alive until the wait (gloo and NCCL alike). On
   CUDA the cast and its collective run on a side stream forked from the
-  compute stream where the start is (``Units._cast_stream``); the wait joins
+  compute stream where the start is (``Units._side_stream``); the wait joins
   it back. The slot's previous collective was waited before that point.
 - The reduce's rank-major input is a graph value. The wait op takes it as
   an argument, so the compiled graph keeps it alive, unwritten, until the
@@ -234,7 +234,7 @@ class Units:
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
         self._nccl: dict[str, bool] = {}  # group name -> whether it is NCCL, on first use
-        self._stream: torch.cuda.Stream | None = None  # see _cast_stream
+        self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.id: int | None = None  # set when the units are formed
 
     def _register(self) -> None:
@@ -269,31 +269,19 @@ class Units:
         if self.units or self.world_size == 1:
             return
         order = {name: i for i, name in enumerate(first_use)}
-        groups: list[list[ParamInfo]] = []
         listed: set[str] = set()
-        for group in self.explicit:
+
+        def take(group: Sequence[str]) -> list[list[ParamInfo]]:
+            """``group``'s members not taken yet, in first-use order, by dtype."""
             members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
             listed.update(group)
-            groups.extend(_split_by_dtype([self.params[n] for n in members]))
-        whole: list[list[ParamInfo]] = []  # each block's weights, by dtype
-        for group in blocks:
-            members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
-            listed.update(group)
-            whole.extend(_split_by_dtype([self.params[n] for n in members]))
+            return _split_by_dtype([self.params[n] for n in members])
+
+        groups = [infos for group in self.explicit for infos in take(group)]
+        whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
         groups.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
-        current: list[ParamInfo] = []
-        size = 0
-        for name in first_use:
-            if name in listed or name not in self.params:
-                continue
-            info = self.params[name]
-            if current and (size >= unit_bytes or _dtype_key(current[0]) != _dtype_key(info)):
-                groups.append(current)
-                current, size = [], 0
-            current.append(info)
-            size += math.prod(info.shape) * info.gather_dtype.itemsize
-        if current:
-            groups.append(current)
+        rest = [[self.params[n]] for n in first_use if n not in listed and n in self.params]
+        groups.extend(_fill(rest, unit_bytes))
         groups.sort(key=lambda g: order[g[0].fqn])
         for index, infos in enumerate(groups):
             unit = Unit(index, infos, self.world_size)
@@ -357,7 +345,9 @@ class Units:
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
         inp = source = u.flat_shard()  # a copy until ``rehome``: kept until the wait (see below)
-        stream = self._cast_stream(u.device) if offsets else None
+        stream = self._side_stream(u.device) if offsets else None
+        if stream is not None:  # fork: the cast follows what the current stream issued before it
+            stream.wait_stream(torch.cuda.current_stream(u.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if offsets:  # cast into the arena
                 cast = self.arena.view(offsets[0], u.numel, u.gather_dtype)
@@ -373,18 +363,18 @@ class Units:
         # the cast still read it (the first step's forward gathered garbage).
         self._pending[key] = (work, (inp, source), out)
 
-    def _cast_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
+    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
         """The side stream a gather's cast and collective are issued on (CUDA
-        only), forked from the current stream: the cast of a prefetched unit
-        then runs beside the compute it was issued before, not ahead of it.
-        The collective follows the cast on that stream, and its wait joins the
-        current stream again. On the 8B benchmark the casts on the compute
-        stream took about 6 ms of the step (both gathers of every unit)."""
+        only; None elsewhere). The caller forks it from the current stream, so
+        the cast of a prefetched unit runs beside the compute it was issued
+        before, not ahead of it. The collective follows the cast on that
+        stream, and its wait joins the current stream again. On the 8B
+        benchmark the casts on the compute stream took about 6 ms of the step
+        (both gathers of every unit)."""
         if device.type != "cuda":
             return None
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        self._stream.wait_stream(torch.cuda.current_stream(device))
         return self._stream
 
     def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
@@ -423,9 +413,9 @@ def _gathered_bytes(infos: Sequence[ParamInfo]) -> int:
 
 
 def _fill(blocks: list[list[ParamInfo]], unit_bytes: int) -> list[list[ParamInfo]]:
-    """Consecutive blocks (each never split) joined into units of about
-    ``unit_bytes``, as the rest of the parameters are: a unit is closed once
-    it holds ``unit_bytes`` or the next block's dtypes differ."""
+    """Consecutive blocks (each never split; a lone parameter is a block of
+    one) joined into units of about ``unit_bytes``: a unit is closed once it
+    holds ``unit_bytes`` or the next block's dtypes differ."""
     units: list[list[ParamInfo]] = []
     for block in blocks:
         last = units[-1] if units else None
