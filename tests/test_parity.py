@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.distributed import check_results, run_ranks
@@ -21,9 +23,16 @@ LAYOUT_CHECKS = ("llama_tied", "mamba_direct_reads", "uneven_and_empty", "units_
 MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 
 
+# llama_tied_inductor (flat graphs under Inductor, 33 s on 2 cores) runs on the
+# GPUs and with FXSHARD_FULL_CPU=1. Inductor still compiles flat graphs here in
+# mamba_direct_reads_inductor (its blocks are not outlined) and outlined
+# layers in mixed_precision_bf16_inductor.
+FULL_CPU_ONLY = () if os.environ.get("FXSHARD_FULL_CPU") else ("llama_tied_inductor",)
+
+
 def _checks_for(world_size: int) -> list[str]:
     if world_size in INDUCTOR_WORLD_SIZES:
-        return list(CHECKS)
+        return [c for c in CHECKS if c not in FULL_CPU_ONLY]
     # Ranks must route differently, and lookups are sharded only across ranks:
     # world size 1 has nothing to compare. The lookup checks run at 2 and 4
     # (uneven rows at both, an empty shard at 4).
