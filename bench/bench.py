@@ -50,9 +50,14 @@ MODELS = {
 }
 # A smoke test of this script on CPU: --model tiny --device cpu (gloo).
 MODELS["tiny"] = (LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False), 1, 1, 2)
-# fxshard_blocks: fxshard with compile_blocks_once=True (not in the default set).
 SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
-ALL_SYSTEMS = (*SYSTEMS, "fxshard_blocks")
+# fxshard variants, not in the default set: the keyword arguments each adds.
+FXSHARD_VARIANTS = {
+    "fxshard": {},
+    "fxshard_flat": {"compile_blocks_once": False},  # every layer compiled inline
+    "fxshard_r1": {"reduces_in_flight": 1},  # one reduce-scatter in flight, as FSDP2
+}
+ALL_SYSTEMS = (*SYSTEMS, *FXSHARD_VARIANTS)
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
 
@@ -67,10 +72,9 @@ def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Llama(cfg)
-    if system in ("fxshard", "fxshard_blocks"):
+    if system in FXSHARD_VARIANTS:
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
-        return fxshard.compile(model, mesh, mp_policy=mp, compile_blocks_once=system == "fxshard_blocks",
-                               **FXSHARD_KWARGS)  # fmt: skip
+        return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **FXSHARD_VARIANTS[system]})
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -131,7 +135,7 @@ def run_system(system: str, name: str, mesh) -> dict:
         first_step_compile_s=first_step_phases,
         losses=losses, step_times_ms=[t * 1e3 for t in times],
     )  # fmt: skip
-    if system in ("fxshard", "fxshard_blocks"):
+    if system in FXSHARD_VARIANTS:
         result.update(fxshard_plan_facts(model))
     if profiler is not None:
         result["profile"] = kernel_profile(profiler, PROFILE)

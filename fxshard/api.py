@@ -204,7 +204,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     unit_mb: float = 256,
     units: list[nn.Module] | None = None,
     sharded_embeddings: bool = True,
-    compile_blocks_once: bool = False,
+    compile_blocks_once: bool = True,
+    reduces_in_flight: int = 2,
     debug_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
@@ -237,7 +238,14 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     - ``compile_blocks_once``: blocks of a module list (``layers.<i>``) that
       trace alike node for node are compiled once and called per layer, with
       the layer's gathered weights as arguments: first-step compile time
-      that no longer grows with depth (see [Note: outlined blocks]).
+      that no longer grows with depth (see [Note: outlined blocks]). On by
+      default (8B Llama on 4 H200s: first step 38.7 s against 76.4 s, step
+      time and peak memory no worse); False compiles every layer inline.
+    - ``reduces_in_flight``: how many gradient reduce-scatters may run at once
+      in backward. A reduce's wait is placed just before the reduce issued
+      this many later, so backward never stalls on it; each one in flight
+      keeps its input, the unit's gradients in ``reduce_dtype``, alive (about
+      0.85 GiB per layer of an 8B Llama in fp32). 1 is FSDP2's behaviour.
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
     """
     _check_model(model)
@@ -251,6 +259,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
     if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:
         raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
+    if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) or reduces_in_flight < 1:
+        raise ValueError(f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), "
+                         f"got {reduces_in_flight!r}")
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     if not isinstance(sharded_embeddings, bool):
@@ -272,7 +283,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         count_group = _count_group(mesh) if sharded_embeddings and mesh.size() > 1 else None
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
-                           count_group, compile_blocks_once)  # fmt: skip
+                           count_group, compile_blocks_once, reduces_in_flight)  # fmt: skip
         if mesh.size() > 1:
             unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
                               reduce_group_name, explicit)  # fmt: skip

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -70,7 +72,7 @@ MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7
 SCENARIOS: dict[str, Scenario] = {
     "llama_tied": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), clip_norm=0.5, sequenced=False),
     "llama_tied_keep_full": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False)),
-    "llama_tied_inductor": Scenario(**LLAMA, compile_kwargs=dict(backend="inductor")),
+    "llama_tied_inductor": Scenario(**LLAMA, compile_kwargs=dict(backend="inductor", compile_blocks_once=False)),
     "llama_eager_accessors": Scenario(**LLAMA, compile_kwargs=dict(backend="eager")),
     "mamba_direct_reads": Scenario(**MAMBA, compile_kwargs=dict(backend="aot_eager")),
     "mamba_direct_reads_inductor": Scenario(**MAMBA, compile_kwargs=dict(backend="inductor")),
@@ -105,23 +107,26 @@ SCENARIOS: dict[str, Scenario] = {
         compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
     ),
     # Small units, two stages in flight: casts, bucketing and prefetch; the
-    # layers outlined (Inductor compiles one body). llama_tied_inductor and
-    # mamba_direct_reads_inductor compile flat graphs.
+    # layers outlined (Inductor compiles one body). llama_tied_inductor
+    # compiles flat graphs (compile_blocks_once=False).
     "mixed_precision_bf16_inductor": Scenario(
         **UNTIED, make_batch=_tokens, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
         compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
                             unit_mb=0.003, prefetch=2, compile_blocks_once=True),
     ),
     # Units (one all-gather and one reduce-scatter each) at several sizes and
-    # prefetch depths; the default 256 MiB makes each small model one unit.
-    "units_per_param_prefetch0": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-6, prefetch=0)),
-    "units_small_prefetch2": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2),
-                                      clip_norm=0.5),
+    # prefetch depths, in flat graphs (an outlined layer is never split);
+    # the default 256 MiB makes each small model one unit.
+    "units_per_param_prefetch0": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-6, prefetch=0,
+                                                                       compile_blocks_once=False)),  # fmt: skip
+    "units_small_prefetch2": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
+                                                                   compile_blocks_once=False), clip_norm=0.5),  # fmt: skip
     "units_explicit": Scenario(  # nested: layers.0.attn is a unit inside the unit of layers.0
         **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.002),
         units=lambda m: [m.layers[0], m.layers[0].attn, m.layers[1]],
     ),
-    # Each layer a call of one compiled body (see [Note: outlined blocks]).
+    # Each layer a call of one compiled body (see [Note: outlined blocks]);
+    # the default, explicit here since blocks_once_gathers_again checks it.
     "blocks_once": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
                                                          compile_blocks_once=True)),  # fmt: skip
     "uneven_units_prefetch1": Scenario(
@@ -385,6 +390,9 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
     torch.backends.cudnn.allow_tf32 = False
     results: dict[str, str | None] = {}
     for name in names:
+        # On stderr, which pytest shows when a rank dies: the check it was in.
+        print(f"[rank {rank}/{world_size}] {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         try:
             base, _, compiler = name.partition("@")  # "llama_tied@inductor": another compiler
             checks, scenarios = _registry()
@@ -398,5 +406,7 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
             results[name] = None
         except Exception:
             results[name] = traceback.format_exc()
+        print(f"[rank {rank}/{world_size}] {name} {'passed' if results[name] is None else 'FAILED'} "
+              f"in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         torch._dynamo.reset()
     return results

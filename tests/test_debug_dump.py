@@ -13,10 +13,13 @@ def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):
     fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path, unit_mb=0.003)
     model(torch.randint(0, 37, (2, 9))).sum().backward()
     graph_dir = tmp_path / "rank0" / "graph0"
-    for phase, name in [("captured", "dedupe_unshard"), ("joint", "tag_unshard"),
-                        ("forward", "bucket_collectives"), ("backward", "bucket_collectives")]:  # fmt: skip
+    # compile_blocks_once (the default) adds outline_blocks, and on the joint
+    # reroute_saved_inputs and tag_body_inputs before tag_unshard.
+    for phase, name in [("captured", "00_dedupe_unshard"), ("captured", "02_outline_blocks"),
+                        ("joint", "00_reroute_saved_inputs"), ("joint", "02_tag_unshard"),
+                        ("forward", "00_bucket_collectives"), ("backward", "00_bucket_collectives")]:  # fmt: skip
         for when in ("before", "after"):
-            assert (graph_dir / phase / f"00_{name}.{when}.txt").is_file(), (phase, when)
+            assert (graph_dir / phase / f"{name}.{when}.txt").is_file(), (phase, name, when)
     for phase in ("forward", "backward"):
         passes = sorted(p.name for p in (graph_dir / phase).glob("*.after.txt"))
         assert passes == ["00_bucket_collectives.after.txt", "01_lower_collectives.after.txt",
@@ -24,7 +27,8 @@ def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):
     forward = (graph_dir / "forward" / "00_bucket_collectives.after.txt").read_text()
     assert "fxshard.unit_gather(" in forward and "fxshard.unit_gather_wait(" in forward
     assert "# layers.0.attn.wq" in forward or "# layers.0.attn" in forward
-    joint = (graph_dir / "joint" / "00_tag_unshard.after.txt").read_text()
+    assert "invoke_subgraph" in (graph_dir / "captured" / "02_outline_blocks.after.txt").read_text()
+    joint = (graph_dir / "joint" / "02_tag_unshard.after.txt").read_text()
     assert "recompute=MUST_RECOMPUTE" in joint
     assert "recompute=MUST_SAVE" in joint  # the unit gathered last stays for backward
     summary = (graph_dir / "summary.txt").read_text()
@@ -33,6 +37,7 @@ def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):
     assert saved != "full weights saved from forward for backward: none", saved
     assert "reduce-scattered" in summary
     assert "units: " in summary and "unit 0: " in summary
+    assert "outlined blocks" in summary
     assert "[backward arena] arena: " in summary and "predicted peak: " in summary
 
 

@@ -65,6 +65,8 @@ def test_parameters_already_dtensors(fake_pg):
         (dict(reshard_after_forward="yes"), "reshard_after_forward must be True or False"),
         (dict(sharded_embeddings=1), "sharded_embeddings must be True or False"),
         (dict(compile_blocks_once="yes"), "compile_blocks_once must be True or False"),
+        (dict(reduces_in_flight=0), "reduces_in_flight must be an int >= 1"),
+        (dict(reduces_in_flight=True), "reduces_in_flight must be an int >= 1"),
     ],
 )
 def test_bad_options(fake_pg, kwargs, match):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -35,6 +37,12 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+# Per-parameter units and size-formed units are those of flat graphs: an
+# outlined layer (compile_blocks_once, the default) is never split between
+# units. The tests of outlined blocks are at the end of this file.
+FLAT = dict(compile_blocks_once=False)
+
+
 def _train_once(model: nn.Module, **kwargs):
     fxshard.compile(model, backend="aot_eager", **kwargs)
     model(torch.randint(0, 37, (2, 9))).sum().backward()
@@ -47,7 +55,7 @@ def test_reshard_after_forward_saves_no_full_weight(fake_pg):
     gathered again in backward; that last one (here the final norm's weight)
     is saved, since the backward reads it first."""
     model = models.TinyLlama()
-    record = _train_once(model, unit_mb=PER_PARAM)
+    record = _train_once(model, unit_mb=PER_PARAM, **FLAT)
     n_params = len(model.fxshard_plan.params)
     forward_gathers = _nodes(record.forward, AG)
     assert len(forward_gathers) == n_params  # tied weight: one gather
@@ -64,11 +72,11 @@ def test_reshard_after_forward_saves_no_full_weight(fake_pg):
 
 
 def test_one_collective_per_unit(fake_pg):
-    """By default (256 MiB units) the tiny model is one unit: one all-gather in
-    forward, kept for backward (it is the last unit), one reduce-scatter
-    covering every parameter."""
+    """With 256 MiB units (the default) and flat graphs the tiny model is one
+    unit: one all-gather in forward, kept for backward (it is the last unit),
+    one reduce-scatter covering every parameter."""
     model = models.TinyLlama()
-    record = _train_once(model)
+    record = _train_once(model, **FLAT)
     units = model.fxshard_plan.units
     assert len(units.units) == 1 and len(units.unit_of) == len(model.fxshard_plan.params)
     assert len(_nodes(record.forward, AG)) == 1 and len(_nodes(record.backward, AG)) == 0
@@ -127,17 +135,22 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
     assert sent["reduce"][1].data_ptr() == inp.data_ptr()  # the graph's input, not a copy
 
 
-def test_explicit_units_override(fake_pg):
+@pytest.mark.parametrize("blocks", [False, True], ids=["flat", "blocks"])
+def test_explicit_units_override(fake_pg, blocks):
     """units=[modules]: each listed module is one unit, minus deeper listed
-    modules; the rest forms units by size."""
+    modules; the rest forms units by size (with outlined blocks, layer 1 is a
+    unit of its own: a block joins blocks, not the other parameters)."""
     model = models.TinyLlama()
-    _train_once(model, units=[model.layers[0], model.layers[0].attn], unit_mb=256)
+    _train_once(model, units=[model.layers[0], model.layers[0].attn], unit_mb=256, compile_blocks_once=blocks)
     units = {u.names for u in model.fxshard_plan.units.units}
     attn = tuple(n for n, _ in model.named_parameters() if n.startswith("layers.0.attn."))
     rest_of_block = {n for n, _ in model.named_parameters() if n.startswith("layers.0.") and n not in attn}
     assert any(set(u) == set(attn) for u in units)
     assert any(set(u) == rest_of_block for u in units)
-    assert len(units) == 3  # the two listed, and everything else by size (one 256 MiB unit)
+    layer1 = {n for n, _ in model.named_parameters() if n.startswith("layers.1.")}
+    assert any(set(u) >= layer1 for u in units)
+    # the two listed, and everything else by size: one 256 MiB unit, or layer 1 and the rest
+    assert len(units) == (4 if blocks else 3), units
 
 
 def test_keep_full_weights_gathers_once(fake_pg):
@@ -281,7 +294,7 @@ def test_prefetch_issues_next_unit_before_waiting(fake_pg):
     prefetch=0 each waits before the next is issued."""
     for prefetch in (0, 1, 2):
         torch._dynamo.reset()
-        record = _train_once(models.TinyLlama(), prefetch=prefetch, unit_mb=PER_PARAM)
+        record = _train_once(models.TinyLlama(), prefetch=prefetch, unit_mb=PER_PARAM, **FLAT)
         for gm in (record.forward, record.backward):
             pos, pairs = _positions(gm), _gathers_by_wait(gm)
             assert len(pairs) > 3
@@ -297,31 +310,35 @@ def test_prefetch_issues_next_unit_before_waiting(fake_pg):
 
 def test_units_follow_first_use_and_size_target(fake_pg):
     model = models.TinyLlama()
-    record = _train_once(model, unit_mb=PER_PARAM)
+    record = _train_once(model, unit_mb=PER_PARAM, **FLAT)
     names = [u.names for u in model.fxshard_plan.units.units]
     assert all(len(n) == 1 for n in names)
     first_use = [s.param for s in record.reports["forward"].sites if s.kind == "unshard"]
     assert [n[0] for n in names] == first_use
     torch._dynamo.reset()
     model = models.TinyLlama()
-    _train_once(model, unit_mb=0.003)
+    _train_once(model, unit_mb=0.003, **FLAT)
     sizes = [u.gather_nbytes() for u in model.fxshard_plan.units.units]
     assert len(sizes) > 2 and all(s >= 0.003 * 2**20 for s in sizes[:-1])
     assert [n for u in model.fxshard_plan.units.units for n in u.names] == first_use
 
 
-def test_reduce_waits_deferred(fake_pg):
-    """At most two reduce-scatters are in flight: the wait of reduce i comes
-    after reduce i+1 is issued, and before reduce i+2."""
-    record = _train_once(models.TinyLlama(), unit_mb=PER_PARAM)
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_reduce_waits_deferred(fake_pg, in_flight):
+    """At most ``reduces_in_flight`` reduce-scatters are in flight: the wait
+    of reduce i comes after reduce i + in_flight - 1 is issued, and before
+    reduce i + in_flight (the default, 2: after i+1, before i+2)."""
+    kwargs = {} if in_flight == 2 else {"reduces_in_flight": in_flight}
+    record = _train_once(models.TinyLlama(), unit_mb=PER_PARAM, **kwargs, **FLAT)
     bw = record.backward
     pos = _positions(bw)
     reduces = _nodes(bw, RS)
     assert len(reduces) > 4
     for i, rs in enumerate(reduces):
         (wait,) = rs.users
-        if i + 1 < len(reduces):
-            assert pos[reduces[i + 1]] < pos[wait] < (pos[reduces[i + 2]] if i + 2 < len(reduces) else len(pos))
+        issued_before = reduces[i + in_flight - 1] if i + in_flight - 1 < len(reduces) else rs
+        next_one = pos[reduces[i + in_flight]] if i + in_flight < len(reduces) else len(pos)
+        assert pos[issued_before] <= pos[wait] < next_one, (i, in_flight)
 
 
 def test_reduces_on_their_own_group(fake_pg, monkeypatch):
@@ -412,14 +429,17 @@ def _check_arena(plan) -> None:
                 assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset, (a, b)
 
 
-def test_arena_buffers_alive_together_never_overlap(fake_pg):
+@pytest.mark.parametrize("blocks", [False, True], ids=["flat", "blocks"])
+def test_arena_buffers_alive_together_never_overlap(fake_pg, blocks):
     """Every collective buffer is an arena slice; with two units in flight
     (prefetch=2) and deferred reduce waits, buffers alive at the same time
     get disjoint bytes. The arena is allocated in the first step (again when
-    the backward, compiled after the forward ran, needs more), never after."""
+    the backward, compiled after the forward ran, needs more), never after.
+    With outlined blocks the tiny model has 3 units, all in flight at once in
+    forward: nothing to share there, but nothing may overlap."""
     model = models.TinyLlama()
     mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    record = _train_once(model, unit_mb=0.003, prefetch=2, mp_policy=mp)
+    record = _train_once(model, unit_mb=0.003, prefetch=2, mp_policy=mp, compile_blocks_once=blocks)
     plans = record.arenas
     assert set(plans) == {"forward", "backward"}
     overlapping = 0
@@ -427,7 +447,8 @@ def test_arena_buffers_alive_together_never_overlap(fake_pg):
         _check_arena(plan)
         spans = [(b.first, b.last) for b in plan.buffers]
         overlapping += sum(a[0] <= b[1] and b[0] <= a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
-        assert plan.size < sum(b.nbytes for b in plan.buffers), "buffers not alive together should share bytes"
+        if not blocks:
+            assert plan.size < sum(b.nbytes for b in plan.buffers), "buffers not alive together should share bytes"
     assert overlapping > 0, "prefetch must keep several buffers alive at once"
     arena = model.fxshard_plan.units.arena
     assert arena.size == max(p.size for p in plans.values())

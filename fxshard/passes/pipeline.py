@@ -74,6 +74,7 @@ class BackendSpec:
     # ("": a fake group, assume equal); None gathers embedding tables like any weight.
     embedding_count_group: str | None = None
     outline_blocks: bool = False  # compile each repeated block once (see [Note: outlined blocks])
+    reduces_in_flight: int = 2  # reduce-scatters issued before the oldest one's wait (see [Note: prefetch by units])
 
 
 @dataclass
@@ -229,7 +230,8 @@ class FXShardBackend:
         lower = functools.partial(lower_collectives_pass, decompositions=decompositions)
         schedules: list[Schedule] = []
         schedule = functools.partial(schedule_collectives_pass, unit_bytes=self.spec.unit_bytes,
-                                     prefetch=self.spec.prefetch, record=schedules)  # fmt: skip
+                                     prefetch=self.spec.prefetch, max_reduces_in_flight=self.spec.reduces_in_flight,
+                                     record=schedules)  # fmt: skip
         arenas: list[ArenaPlan] = []
         passes = [
             GraphPass("bucket_collectives", functools.partial(bucket_collectives_pass, units=self.units)),
