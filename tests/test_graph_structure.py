@@ -578,3 +578,41 @@ def test_blocks_that_differ_are_not_shared(fake_pg):
     model.layers[1] = Block(LlamaConfig(hidden=20))
     record = _train_once(model, compile_blocks_once=True)
     assert record.outline.bodies == [["layers.0", "layers.2"]] and record.outline.inline == ["layers.1"]
+
+
+class _VmapLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(6))
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.vmap(lambda row: row * self.scale)(x))
+
+
+class _VmapStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_VmapLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_blocks_with_effects_stay_inline_and_in_order(fake_pg):
+    """Dynamo inlines torch.vmap as ops that open and close a vmap level, and
+    records no module for the one that closes it: it sits between a layer's
+    nodes. Outlining must neither move it (the level would close before it
+    opens: an internal assert in functorch, as in transformers' Mamba) nor
+    outline a layer that holds vmap levels. The layers stay inline."""
+    model = _VmapStack()
+    fxshard.compile(model, backend="aot_eager")
+    model(torch.randn(4, 6)).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    assert record.outline.bodies == [] and record.outline.inline == ["layers.0", "layers.1", "layers.2"]
+    names = [n.name for n in record.captured.graph.nodes]
+    opens = [i for i, n in enumerate(names) if n.startswith("_vmap_increment_nesting")]
+    closes = [i for i, n in enumerate(names) if n.startswith("_vmap_decrement_nesting")]
+    assert len(opens) == len(closes) == 3 and all(o < c for o, c in zip(opens, closes)), names

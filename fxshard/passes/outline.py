@@ -19,7 +19,9 @@ calls take the layer's gathered weights as inputs.
 - Nodes outside a block that the graph interleaves with it (its unshards)
   move ahead of it; a block whose values are read before its end is left
   inline, as is one with effects torch cannot replay (in-place ops on
-  inputs, RNG, autocast changes, ``get_attr``/``call_module`` nodes).
+  inputs, RNG, autocast or grad-mode changes, vmap levels,
+  ``get_attr``/``call_module`` nodes), or one interleaved with such an effect
+  that would have to move.
 - Saved weights: inside a body a weight is an input, which the body's
   partition saves for backward as an output of the forward call. The
   ``tag_unshard`` pass then routes the backward call to the outer unshard
@@ -109,6 +111,8 @@ def _replayable(node: fx.Node) -> bool:
         return False  # in place, or random
     if str(node.target).startswith("fxshard."):  # an fxshard op (OpOverload or packet)
         return False  # a collective: the unit passes must see it
+    if getattr(node.target, "__module__", "").startswith("torch._functorch") or "vmap" in name:
+        return False  # vmap levels (dynamo inlines torch.vmap): state of the tracer, not data
     return not (compat.is_higher_order_op(node.target) or "autocast" in name or "grad" in name)
 
 
@@ -145,14 +149,25 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
     return _Block(name, nodes, list(inputs), outputs, key)
 
 
+def _movable(node: fx.Node) -> bool:
+    """Whether ``node`` may move ahead of a block: it computes a value from
+    its inputs and nothing else (an unshard, a view or cast of a weight).
+    Effects keep their place: vmap levels and grad mode (dynamo records no
+    module for the node that closes a vmap), RNG, in-place ops."""
+    if is_unshard(node) or node.op == "get_attr":
+        return True
+    return _replayable(node) and not node.is_impure()
+
+
 def _contiguous(graph: fx.Graph, block: list[fx.Node]) -> bool:
-    """Move the nodes interleaved with ``block`` ahead of it; False if one of
-    them reads the block (the block's values are needed before its end)."""
+    """Move the nodes interleaved with ``block`` ahead of it; False, moving
+    nothing, if one of them reads the block (the block's values are needed
+    before its end) or must keep its place (see ``_movable``)."""
     members = set(block)
     order = {n: i for i, n in enumerate(graph.nodes)}
     first, last = order[block[0]], order[block[-1]]
     between = [n for n in graph.nodes if first < order[n] < last and n not in members]
-    if any(a in members for n in between for a in n.all_input_nodes):
+    if any(a in members for n in between for a in n.all_input_nodes) or not all(map(_movable, between)):
         return False
     for node in between:
         block[0].prepend(node)
