@@ -305,7 +305,6 @@ def _holders(obj: Any, depth: int = 30) -> str:
     """A chain of referrers from ``obj`` up to a module or a thread's frame:
     what keeps it alive (for the failure message)."""
     import gc
-    import sys
     import types
 
     mods = {id(m.__dict__): n for n, m in list(sys.modules.items()) if m is not None and n != "__main__"}

@@ -111,8 +111,8 @@ def _replayable(node: fx.Node) -> bool:
         return False  # in place, or random
     if str(node.target).startswith("fxshard."):  # an fxshard op (OpOverload or packet)
         return False  # a collective: the unit passes must see it
-    if getattr(node.target, "__module__", "").startswith("torch._functorch") or "vmap" in name:
-        return False  # vmap levels (dynamo inlines torch.vmap): state of the tracer, not data
+    if getattr(node.target, "__module__", "").startswith("torch._functorch"):
+        return False  # vmap levels and batch dims (dynamo inlines torch.vmap): tracer state, not data
     return not (compat.is_higher_order_op(node.target) or "autocast" in name or "grad" in name)
 
 
