@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fxshard  # noqa: E402
 from fxshard.runtime import compat  # noqa: E402
+import memtrace  # noqa: E402  (bench/memtrace.py: this script's folder is on sys.path)
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 
 SEQ = 2048
@@ -60,6 +61,7 @@ FXSHARD_VARIANTS = {
 ALL_SYSTEMS = (*SYSTEMS, *FXSHARD_VARIANTS)
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
+MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
 
 
 FXSHARD_KWARGS: dict = {}
@@ -104,14 +106,16 @@ def run_system(system: str, name: str, mesh) -> dict:
     sync()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    profiler = None
+    times, losses, step_peaks = [], [], []
+    profiler, traced = None, None
     compat.compile_phase_times(reset=True)
     for i, tokens in enumerate(batches):
         if PROFILE and i == len(batches) - PROFILE:
             activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
             profiler = torch.profiler.profile(activities=[activity])
             profiler.__enter__()
+        if MEMORY_STEP == i and DEVICE == "cuda":
+            base = memtrace.start()
         start = time.perf_counter()
         loss = lm_loss(model(tokens), tokens)
         loss.backward()
@@ -120,11 +124,16 @@ def run_system(system: str, name: str, mesh) -> dict:
         sync()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        if MEMORY_STEP == i and DEVICE == "cuda":
+            traced = memtrace.summary(base)
+        if DEVICE == "cuda":
+            step_peaks.append(torch.cuda.max_memory_allocated() - leftover)
+            torch.cuda.reset_peak_memory_stats()
         if i == 0:
             first_step_phases = compat.compile_phase_times()
     if profiler is not None:
         profiler.__exit__(None, None, None)
-    peak = torch.cuda.max_memory_allocated() - leftover if DEVICE == "cuda" else 0
+    peak = max(step_peaks, default=0)
     step = statistics.median(times[warmup:])
     tokens_per_gpu = batch * SEQ
     flops = (6 * params + 6 * cfg.layers * SEQ * cfg.dim) * tokens_per_gpu
@@ -133,8 +142,10 @@ def run_system(system: str, name: str, mesh) -> dict:
         step_ms=step * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / step, tflops_per_gpu=flops / step / 1e12,
         peak_gib=peak / 2**30, leftover_gib=leftover / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
         first_step_compile_s=first_step_phases,
-        losses=losses, step_times_ms=[t * 1e3 for t in times],
+        losses=losses, step_times_ms=[t * 1e3 for t in times], step_peaks_gib=[p / 2**30 for p in step_peaks],
     )  # fmt: skip
+    if traced is not None:
+        result["memory_at_peak"] = traced
     if system in FXSHARD_VARIANTS:
         result.update(fxshard_plan_facts(model))
     if profiler is not None:
@@ -230,6 +241,11 @@ def table(results: list[dict]) -> str:
         if phases:
             shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)
             rows.append(f"\n{r['system']} {r['model']} first step, compile phases (s): {shown}")
+        if "step_peaks_gib" in r and r["step_peaks_gib"]:
+            rows.append(f"\n{r['system']} {r['model']} peak GiB per step: "
+                        + " ".join(f"{p:.2f}" for p in r["step_peaks_gib"]))
+        if "memory_at_peak" in r:
+            rows.append("\n" + memtrace.format_summary(r["system"], r["memory_at_peak"]))
         if r.get("predicted_peak_gib") is not None:
             rows.append(f"\nfxshard {r['model']}: {r['units']} units, arena {r['arena_mib']:.0f} MiB, predicted peak "
                         f"{r['predicted_peak_gib']:.2f} GiB (measured {r['peak_gib']:.2f})")  # fmt: skip
@@ -245,10 +261,13 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
+    parser.add_argument("--memory-step", type=int, default=None,
+                        help="trace this step's allocations and report who holds its peak (bench/memtrace.py)")
     args = parser.parse_args()
-    global DEVICE, PROFILE
+    global DEVICE, PROFILE, MEMORY_STEP
     DEVICE = args.device
     PROFILE = args.profile
+    MEMORY_STEP = args.memory_step
     for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):
         if value is not None:
             FXSHARD_KWARGS[key] = value
