@@ -56,7 +56,7 @@ SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
 FXSHARD_VARIANTS = {
     "fxshard": {},
     "fxshard_flat": {"compile_blocks_once": False},  # every layer compiled inline
-    "fxshard_r1": {"reduces_in_flight": 1},  # one reduce-scatter in flight, as FSDP2
+    "fxshard_r2": {"reduces_in_flight": 2},  # two reduce-scatters in flight, two reduce inputs alive
 }
 ALL_SYSTEMS = (*SYSTEMS, *FXSHARD_VARIANTS)
 DEVICE = "cuda"
@@ -202,16 +202,15 @@ def kernel_profile(profiler, steps: int) -> dict:
 
 
 def fxshard_plan_facts(model: torch.nn.Module) -> dict:
-    """Units, arena and the predicted peak from fxshard's plan (see the README's
-    debug dumps): the largest graph's liveness estimate (inputs, intermediates
-    and arena) plus AdamW's two fp32 states per shard element."""
+    """Units and the predicted peak from fxshard's plan (see the README's
+    debug dumps): the largest graph's liveness estimate (inputs and
+    intermediates) plus AdamW's two fp32 states per shard element."""
     plan = model.fxshard_plan
-    graph_peaks = {f"graph{g.index}.{phase}": a.peak.total for g in plan.graphs for phase, a in g.arenas.items()}
+    graph_peaks = {f"graph{g.index}.{phase}": p.total for g in plan.graphs for phase, p in g.peaks.items()}
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     units = plan.units.units if plan.units is not None else []
     return dict(
         units=len(units), unit_mib=[u.gather_nbytes() / 2**20 for u in units],
-        arena_mib=plan.units.arena.size / 2**20 if plan.units is not None else 0.0,
         graph_peaks_gib={k: v / 2**30 for k, v in graph_peaks.items()},
         predicted_peak_gib=(max(graph_peaks.values()) + 2 * shard_bytes) / 2**30 if graph_peaks else None,
         outlined=[g.outline.format().strip() for g in plan.graphs],
@@ -247,7 +246,7 @@ def table(results: list[dict]) -> str:
         if "memory_at_peak" in r:
             rows.append("\n" + memtrace.format_summary(r["system"], r["memory_at_peak"]))
         if r.get("predicted_peak_gib") is not None:
-            rows.append(f"\nfxshard {r['model']}: {r['units']} units, arena {r['arena_mib']:.0f} MiB, predicted peak "
+            rows.append(f"\n{r['system']} {r['model']}: {r['units']} units, predicted peak "
                         f"{r['predicted_peak_gib']:.2f} GiB (measured {r['peak_gib']:.2f})")  # fmt: skip
     return "\n".join(rows)
 
@@ -261,6 +260,9 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
+    parser.add_argument("--fake-world", type=int, default=None,
+                        help="one process, a fake process group of this many ranks: memory only (no communication "
+                             "runs, so step times and losses mean nothing)")
     parser.add_argument("--memory-step", type=int, default=None,
                         help="trace this step's allocations and report who holds its peak (bench/memtrace.py)")
     args = parser.parse_args()
@@ -276,7 +278,11 @@ def main() -> None:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if DEVICE == "cuda":
+    if args.fake_world:
+        if DEVICE == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=args.fake_world)
+    elif DEVICE == "cuda":
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     else:
@@ -286,7 +292,8 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=dist.get_world_size(),
                 torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
                 precision="bf16 compute, fp32 reduce",
-                nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS)  # fmt: skip
+                nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
+                fake_world=args.fake_world)  # fmt: skip
     results = []
     for system in systems:
         results.append(run_system(system, args.model, mesh))

@@ -16,7 +16,7 @@ from torch.testing import FileCheck
 import fxshard
 from tests import models
 
-from fxshard.passes.arena import plan_offsets
+from fxshard.passes.lower import LOWERED
 from fxshard.runtime import compat
 from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
 
@@ -120,8 +120,8 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
     monkeypatch.setattr(compat, "reduce_scatter_async",
                         lambda o, i, g, **kw: sent.update(reduce=(o, i)) or reduce(o, i, g, **kw))  # fmt: skip
     unit = units.units[1]
-    units.gather_start(unit.index, [])
-    full = units.gather_wait(unit.index, [])
+    units.gather_start(unit.index)
+    full = units.gather_wait(unit.index)
     outs, inps = sent["gather"]
     ws = units.world_size
     for m, out, inp in zip(unit.members, outs, inps):
@@ -325,20 +325,32 @@ def test_units_follow_first_use_and_size_target(fake_pg):
 
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
 def test_reduce_waits_deferred(fake_pg, in_flight):
-    """At most ``reduces_in_flight`` reduce-scatters are in flight: the wait
-    of reduce i comes after reduce i + in_flight - 1 is issued, and before
-    reduce i + in_flight (the default, 2: after i+1, before i+2)."""
-    kwargs = {} if in_flight == 2 else {"reduces_in_flight": in_flight}
-    record = _train_once(models.TinyLlama(), unit_mb=PER_PARAM, **kwargs, **FLAT)
+    """At most ``reduces_in_flight`` reduce-scatters run at once, and at most
+    that many reduce inputs are alive: the wait of reduce i comes after
+    reduce i + in_flight - 1 is issued, and before the input of reduce
+    i + in_flight is built (the default is 1)."""
+    kwargs = {} if in_flight == 1 else {"reduces_in_flight": in_flight}
+    mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)  # every reduce input is a buffer of its own
+    record = _train_once(models.TinyLlama(), unit_mb=PER_PARAM, mp_policy=mp, **kwargs, **FLAT)
     bw = record.backward
     pos = _positions(bw)
     reduces = _nodes(bw, RS)
     assert len(reduces) > 4
+    intervals = []
     for i, rs in enumerate(reduces):
         (wait,) = rs.users
         issued_before = reduces[i + in_flight - 1] if i + in_flight - 1 < len(reduces) else rs
-        next_one = pos[reduces[i + in_flight]] if i + in_flight < len(reduces) else len(pos)
-        assert pos[issued_before] <= pos[wait] < next_one, (i, in_flight)
+        assert pos[issued_before] <= pos[wait], (i, in_flight)
+        # What lowering inserted to build this reduce's input (cast, pad, layout).
+        built, frontier = [], [rs.args[0]]
+        while frontier:
+            n = frontier.pop()
+            if n.meta.get(LOWERED) and n not in built:
+                built.append(n)
+                frontier.extend(n.all_input_nodes)
+        intervals.append((min(pos[n] for n in built), pos[wait]))
+    alive = max(sum(a <= p <= b for a, b in intervals) for p in range(len(pos)))
+    assert alive == in_flight
 
 
 def test_reduces_on_their_own_group(fake_pg, monkeypatch):
@@ -421,60 +433,38 @@ def test_units_id_names_the_layout():
     assert units((4, 3), (6, 2)).id == a_id
 
 
-def _check_arena(plan) -> None:
-    for i, a in enumerate(plan.buffers):
-        assert a.offset % 256 == 0 and a.offset + a.nbytes <= plan.size
-        for b in plan.buffers[i + 1 :]:
-            if a.first <= b.last and b.first <= a.last:  # alive at the same time
-                assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset, (a, b)
-
-
 @pytest.mark.parametrize("blocks", [False, True], ids=["flat", "blocks"])
-def test_arena_buffers_alive_together_never_overlap(fake_pg, blocks):
-    """Every collective buffer is an arena slice; with two units in flight
-    (prefetch=2) and deferred reduce waits, buffers alive at the same time
-    get disjoint bytes. The arena is allocated in the first step (again when
-    the backward, compiled after the forward ran, needs more), never after.
-    With outlined blocks the tiny model has 3 units, all in flight at once in
-    forward: nothing to share there, but nothing may overlap."""
-    model = models.TinyLlama()
-    mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    record = _train_once(model, unit_mb=0.003, prefetch=2, mp_policy=mp, compile_blocks_once=blocks)
-    plans = record.arenas
-    assert set(plans) == {"forward", "backward"}
-    overlapping = 0
-    for plan in plans.values():
-        _check_arena(plan)
-        spans = [(b.first, b.last) for b in plan.buffers]
-        overlapping += sum(a[0] <= b[1] and b[0] <= a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
-        if not blocks:
-            assert plan.size < sum(b.nbytes for b in plan.buffers), "buffers not alive together should share bytes"
-    assert overlapping > 0, "prefetch must keep several buffers alive at once"
-    arena = model.fxshard_plan.units.arena
-    assert arena.size == max(p.size for p in plans.values())
-    first_step = arena.allocations
-    assert first_step <= 2
-    for _ in range(2):
+def test_gathers_need_no_buffer_but_their_output(fake_pg, monkeypatch, blocks):
+    """Communication holds no memory of its own. A gather that casts writes
+    the cast into this rank's slot of each member's block of the gathered
+    output, and the all-gather runs in place; one that does not cast sends
+    the flat shard itself. With two units in flight (prefetch=2)."""
+    calls = []
+    gather = compat.all_gather_coalesced_async
+
+    def record(outs, inps, group, **kw):
+        calls.append([(o, i, group.rank()) for o, i in zip(outs, inps)])
+        return gather(outs, inps, group, **kw)
+
+    monkeypatch.setattr(compat, "all_gather_coalesced_async", record)
+    for mp in (fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), None):
+        model = models.TinyLlama()
+        record_ = _train_once(model, unit_mb=0.003, prefetch=2, mp_policy=mp, compile_blocks_once=blocks)
+        calls.clear()  # the first step sends copies until the shards move into flat buffers (Units.rehome)
         model(torch.randint(0, 37, (2, 9))).sum().backward()
-    assert arena.allocations == first_step
-    assert "[forward arena] arena:" in record.summary() and "predicted peak" in record.summary()
-
-
-def test_plan_offsets_random_intervals():
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        n = int(torch.randint(1, 12, (1,), generator=gen))
-        buffers = []
-        for _ in range(n):
-            first = int(torch.randint(0, 20, (1,), generator=gen))
-            buffers.append((int(torch.randint(1, 5000, (1,), generator=gen)), first,
-                            first + int(torch.randint(0, 8, (1,), generator=gen))))  # fmt: skip
-        offsets, size = plan_offsets(buffers)
-        for i, (s1, f1, l1) in enumerate(buffers):
-            assert offsets[i] + s1 <= size
-            for j, (s2, f2, l2) in enumerate(buffers[:i]):
-                if f1 <= l2 and f2 <= l1:
-                    assert offsets[i] + s1 <= offsets[j] or offsets[j] + s2 <= offsets[i]
+        units = model.fxshard_plan.units
+        flats = {u.flat.untyped_storage().data_ptr() for u in units.units}
+        assert len(calls) == 2 * len(units.units) - 1  # forward and backward; the last unit is kept
+        for call in calls:
+            for out, inp, rank in call:
+                if mp is not None:  # in place, at this rank's slot of the member's block
+                    assert inp.dtype == out.dtype == torch.bfloat16
+                    assert inp.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+                    assert inp.storage_offset() == out.storage_offset() + rank * inp.numel()
+                else:  # the flat shard itself
+                    assert inp.untyped_storage().data_ptr() in flats
+        assert "[forward memory] predicted peak: " in record_.summary()
+        assert not hasattr(units, "arena")
 
 
 def test_untied_embedding_lookup_moves_tokens_not_the_table(fake_pg):

@@ -14,8 +14,7 @@ In a forward, backward or inference graph:
   viewed as the local shard's gradient.
 
 Markers of parameters in no unit (world size 1, or parameters the first graph
-never read) are left for ``lower_collectives``. The arena offsets start as
-zeros; ``plan_arena`` fills them in after scheduling.
+never read) are left for ``lower_collectives``.
 """
 
 from __future__ import annotations
@@ -96,11 +95,10 @@ def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         unit = units.units[u]
         first = min((n for _, n in found), key=order.__getitem__)
         shards = list({n.args[0]: None for _, n in sorted(found, key=lambda f: order[f[1]])})
-        offsets = [0] * len(units.gather_buffers(u))
         with graph.inserting_before(first):
             new = _Inserter(graph, fake_mode, first)
-            token = new(UNIT_GATHER, shards, units.id, u, offsets)
-            full = new(UNIT_GATHER_WAIT, token, units.id, u, offsets)
+            token = new(UNIT_GATHER, shards, units.id, u)
+            full = new(UNIT_GATHER_WAIT, token, units.id, u)
             full.meta[NBYTES] = token.meta[NBYTES] = unit.gather_nbytes()
             views: dict[int, fx.Node] = {}
             for j, _ in found:

@@ -7,9 +7,9 @@ One captured graph goes through three stages (see passes/README.md):
    partitioner splits it into forward and backward;
 3. forward, backward and inference graphs: ``bucket_collectives`` (one
    collective per unit), ``lower_collectives`` (the rest, per parameter),
-   ``schedule_collectives`` (prefetch, deferred reduce waits), ``plan_arena``
-   (buffer offsets); then Inductor (``compile_fx_inner``) or nothing
-   (``aot_eager``).
+   ``schedule_collectives`` (prefetch, deferred reduce waits); then the
+   peak-memory estimate (``passes/memory.py``), and Inductor
+   (``compile_fx_inner``) or nothing (``aot_eager``).
 
 The units themselves are formed once, from the first captured graph's order
 of first use (``Units.assign``), before AOTAutograd traces it.
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxshard.passes.arena import ArenaPlan, plan_arena_pass
+from fxshard.passes.memory import GraphPeak, graph_peak
 from fxshard.passes.bucket import bucket_collectives_pass
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
@@ -74,7 +74,7 @@ class BackendSpec:
     # ("": a fake group, assume equal); None gathers embedding tables like any weight.
     embedding_count_group: str | None = None
     outline_blocks: bool = False  # compile each repeated block once (see [Note: outlined blocks])
-    reduces_in_flight: int = 2  # reduce-scatters issued before the oldest one's wait (see [Note: prefetch by units])
+    reduces_in_flight: int = 1  # reduce-scatters issued before the oldest one's wait (see [Note: prefetch by units])
 
 
 @dataclass
@@ -94,7 +94,7 @@ class GraphRecord:
     inference: fx.GraphModule | None = None
     reports: dict[str, GraphReport] = field(default_factory=dict)
     schedules: dict[str, Schedule] = field(default_factory=dict)
-    arenas: dict[str, ArenaPlan] = field(default_factory=dict)
+    peaks: dict[str, GraphPeak] = field(default_factory=dict)  # the liveness estimate per phase
     units: str = ""  # the model's units, as formatted for the summary
     sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
     outline: OutlineRecord = field(default_factory=OutlineRecord)
@@ -113,8 +113,8 @@ class GraphRecord:
             parts.append(report.format())
             if phase in self.schedules:
                 parts.append(f"[{phase} schedule] " + self.schedules[phase].format())
-            if phase in self.arenas:
-                parts.append(f"[{phase} arena] " + self.arenas[phase].format())
+            if phase in self.peaks:
+                parts.append(f"[{phase} memory] " + self.peaks[phase].format())
         if self.saved_full_weights is not None:
             saved = ", ".join(self.saved_full_weights) or "none"
             parts.append(f"full weights saved from forward for backward: {saved}\n")
@@ -232,18 +232,15 @@ class FXShardBackend:
         schedule = functools.partial(schedule_collectives_pass, unit_bytes=self.spec.unit_bytes,
                                      prefetch=self.spec.prefetch, max_reduces_in_flight=self.spec.reduces_in_flight,
                                      record=schedules)  # fmt: skip
-        arenas: list[ArenaPlan] = []
         passes = [
             GraphPass("bucket_collectives", functools.partial(bucket_collectives_pass, units=self.units)),
             GraphPass("lower_collectives", lower),
             GraphPass("schedule_collectives", schedule),
-            GraphPass("plan_arena", functools.partial(plan_arena_pass, units=self.units, record=arenas)),
         ]
         gm = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
         if schedules:
             record.schedules[phase] = schedules[0]
-        if arenas:
-            record.arenas[phase] = arenas[0]
+        record.peaks[phase] = graph_peak(gm.graph)
         setattr(record, phase, gm)
         if dumper:
             dumper.text("summary.txt", record.summary())

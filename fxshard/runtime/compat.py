@@ -298,6 +298,17 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     return fn(out, inp, group=group, async_op=True)
 
 
+def foreach_copy_(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair (casting), as one multi-tensor kernel
+    where torch has ``_foreach_copy_`` (2.1+), else one copy each."""
+    fn = getattr(torch, "_foreach_copy_", None)
+    if fn is None:  # pragma: no cover - torch without it
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+        return
+    fn(dsts, srcs)
+
+
 def all_gather_coalesced_async(outs: list[torch.Tensor], inps: list[torch.Tensor], group: Any, coalesce: bool) -> Any:
     """Start one all-gather of each ``inps[i]`` into ``outs[i]``
     (``world_size`` times as large); returns one Work for all. With

@@ -20,6 +20,10 @@ on every rank:
   already: member ``i``'s full parameter is the first ``dim0_i * row_i``
   elements of its ``world_size * slot_i`` block, and the graph reads it in
   place. There is no copy-out.
+- A cast writes straight into the output, at this rank's slot of each
+  member's block, and the all-gather runs in place (NCCL and gloo both take
+  an input that is the rank's own chunk of the output, as FSDP2's does). So
+  a gather needs no buffer but its output.
 - The reduce-scatter input is the reverse: the full gradients laid out
   rank-major (``world_size x slots``) in the reduce dtype, and rank ``r``
   receives its slots, averaged (NCCL averages in the collective; other
@@ -32,31 +36,26 @@ on every rank:
   the members' current local shards); a backward reduces only the members
   whose gradients it computes.
 
-Where the buffers live:
+Where the buffers live (communication has none of its own):
 
-- The gather's cast input (where the gather casts to ``param_dtype``) is a
-  slice of the ``Arena``, one device buffer at offsets that the
-  ``plan_arena`` pass computes from each graph's liveness. It never appears
-  in a compiled graph: the graph holds a token from the start op to its wait
-  op, so Inductor can never reuse arena bytes for its own buffers, and the
-  runtime keeps the input alive until the wait (gloo and NCCL alike). On
-  CUDA the cast and its collective run on a side stream forked from the
-  compute stream where the start is (``Units._side_stream``); the wait joins
-  it back. The slot's previous collective was waited before that point.
+- On CUDA a gather's cast and its collective run on a side stream forked
+  from the compute stream where the start is (``Units._side_stream``); the
+  wait joins it back. The runtime keeps what they read and write referenced
+  until the wait (gloo and NCCL alike).
 - The reduce's rank-major input is a graph value. The wait op takes it as
   an argument, so the compiled graph keeps it alive, unwritten, until the
-  collective is done, just as the arena would.
+  collective is done.
 - The *outputs* (the gathered unit, the reduced gradient slots) are fresh
   tensors, allocated by the start and returned by the wait: they are what
   the compute reads (the full parameters) and what the optimizer reads (the
-  gradients), so they belong to the graph. Keeping them in the arena would
-  cost a copy out of it for every gather and reduce, because a graph value
-  that aliases memory Inductor does not own is unsafe (Inductor may reuse a
-  dead input's buffer in place for a later value). On the 8B benchmark that
-  copy-out was 28 ms of a 320 ms step, and the divide 4 ms. The outputs are
-  the sizes the liveness plan already counts (``graph_peak``), and under
-  CUDA-graph capture they come from the graph's private pool at fixed
-  addresses.
+  gradients), so they belong to the graph. Keeping them in a preallocated
+  arena would cost a copy out of it for every gather and reduce, because a
+  graph value that aliases memory Inductor does not own is unsafe (Inductor
+  may reuse a dead input's buffer in place for a later value). On the 8B
+  benchmark that copy-out was 28 ms of a 320 ms step, and the divide 4 ms.
+  The outputs are the sizes the liveness estimate already counts
+  (``passes/memory.py``), and under CUDA-graph capture they come from the
+  graph's private pool at fixed addresses.
 """
 
 from __future__ import annotations
@@ -75,8 +74,6 @@ from fxshard.runtime import compat
 from fxshard.runtime.collectives import chunk_rows
 
 log = logging.getLogger("fxshard")
-
-ARENA_ALIGN = 256  # bytes; every arena slice starts at a multiple
 
 
 @dataclass(frozen=True)
@@ -172,41 +169,6 @@ def _is_slot_view(m: Member, flat: torch.Tensor) -> bool:
     )
 
 
-class Arena:
-    """One device buffer; every collective buffer of every compiled graph is a
-    slice of it, at offsets planned per graph (``passes/arena.py``). Graphs
-    run one at a time and wait for their own collectives, so they share it.
-    Allocated on first use at the largest size planned so far; it grows only
-    when a graph compiled later needs more (in the first training step, the
-    backward, which torch compiles after the forward ran), never in steady state."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.size = 0  # planned bytes
-        self.allocations = 0  # how many times the buffer was (re)allocated
-        self._buffer: torch.Tensor | None = None
-
-    def reserve(self, nbytes: int) -> None:
-        self.size = max(self.size, nbytes)
-
-    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if offset % ARENA_ALIGN:
-            raise RuntimeError(f"fxshard: arena offset {offset} is not a multiple of {ARENA_ALIGN}")
-        if offset + nbytes > self.size:
-            # Only where the passes did not run in this process (a graph torch
-            # loaded from its compile cache): grow. A collective still in
-            # flight keeps the old buffer alive through its pending entry.
-            log.info("fxshard: arena grows to %.2f MiB (a graph planned in another process)",
-                     (offset + nbytes) / 2**20)  # fmt: skip
-            self.size = offset + nbytes
-        if self._buffer is None or self._buffer.numel() < self.size:
-            self._buffer = torch.empty(self.size, dtype=torch.uint8, device=self.device)
-            self.allocations += 1
-            log.info("fxshard: arena of %.2f MiB on %s", self.size / 2**20, self.device)
-        return self._buffer[offset : offset + nbytes].view(dtype)
-
-
 # Units by id: compiled graphs name theirs by id. An id is a hash of the
 # layout (see ``Units._register``), so that graphs that torch caches on disk
 # fit any process that forms the same units, whatever it compiled before.
@@ -214,7 +176,7 @@ _UNITS: "weakref.WeakValueDictionary[int, Units]" = weakref.WeakValueDictionary(
 
 
 class Units:
-    """A model's units, its arena, and the collectives in flight."""
+    """A model's units and the collectives in flight."""
 
     def __init__(
         self,
@@ -230,10 +192,10 @@ class Units:
         self.explicit = tuple(tuple(g) for g in explicit)  # fqn groups the user listed as units
         self.units: list[Unit] = []
         self.unit_of: dict[str, tuple[int, int]] = {}  # fqn -> (unit, member)
-        self.arena = Arena(params[0].device if params else torch.device("cpu"))
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
         self._nccl: dict[str, bool] = {}  # group name -> whether it is NCCL, on first use
+        self._rank: int | None = None  # this process's rank in the gather group, on first use
         self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.id: int | None = None  # set when the units are formed
 
@@ -309,12 +271,6 @@ class Units:
             self._groups[name] = compat.resolve_group(name)
         return self._groups[name]
 
-    def gather_buffers(self, unit: int) -> list[int]:
-        """Bytes of each arena buffer a gather of ``unit`` uses: the cast input,
-        where the gather casts; none where it sends the flat shard itself."""
-        u = self.units[unit]
-        return [u.numel * u.gather_dtype.itemsize] if u.gather_dtype != u.shard_dtype else []
-
     def reduce_layout(self, unit: int, members: Sequence[int]) -> tuple[int, torch.dtype]:
         """Elements per rank of a reduce of ``members`` of ``unit``, and its
         dtype: the members' slots end to end, then zeros up to a multiple of
@@ -337,31 +293,36 @@ class Units:
 
     # The runtime side of the unit ops (fxshard::unit_*), run by compiled graphs.
 
-    def gather_start(self, unit: int, offsets: Sequence[int]) -> None:
+    def gather_start(self, unit: int) -> None:
         u = self.units[unit]
         ws = self.world_size
-        key = ("gather", unit, tuple(offsets))
+        key = ("gather", unit)
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
+        group = self._group(self.group_name)
+        if self._rank is None:
+            self._rank = group.rank()
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
-        inp = source = u.flat_shard()  # a copy until ``rehome``: kept until the wait (see below)
-        stream = self._side_stream(u.device) if offsets else None
+        source = u.flat_shard()  # a copy until ``rehome``: kept until the wait (see below)
+        outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
+        sources = [source[m.offset : m.offset + m.slot] for m in u.members]
+        cast = u.gather_dtype != u.shard_dtype
+        stream = self._side_stream(u.device) if cast else None
         if stream is not None:  # fork: the cast follows what the current stream issued before it
             stream.wait_stream(torch.cuda.current_stream(u.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if offsets:  # cast into the arena
-                cast = self.arena.view(offsets[0], u.numel, u.gather_dtype)
-                cast.copy_(inp)
-                inp = cast
-            inputs = [inp[m.offset : m.offset + m.slot] for m in u.members]
-            outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
-            group = self._group(self.group_name)
+            if cast:  # into this rank's slot of each member's block; the all-gather runs in place
+                r = self._rank
+                inputs = [o[r * m.slot : (r + 1) * m.slot] for o, m in zip(outputs, u.members)]
+                compat.foreach_copy_(inputs, sources)
+            else:
+                inputs = sources
             work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
         # Everything the side stream reads stays referenced until the wait has
         # joined it to the current stream: the caching allocator would hand a
         # freed ``source`` to the next allocation on the current stream while
         # the cast still read it (the first step's forward gathered garbage).
-        self._pending[key] = (work, (inp, source), out)
+        self._pending[key] = (work, source, out)
 
     def _side_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
         """The side stream a gather's cast and collective are issued on (CUDA
@@ -377,8 +338,8 @@ class Units:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
-    def gather_wait(self, unit: int, offsets: Sequence[int]) -> torch.Tensor:
-        work, _, out = self._pending.pop(("gather", unit, tuple(offsets)))
+    def gather_wait(self, unit: int) -> torch.Tensor:
+        work, _, out = self._pending.pop(("gather", unit))
         work.wait()
         return out
 
@@ -446,28 +407,28 @@ def units_of(units_id: int) -> Units:
 
 
 @torch.library.custom_op("fxshard::unit_gather", mutates_args=())
-def unit_gather(shards: list[torch.Tensor], units: int, unit: int, offsets: list[int]) -> torch.Tensor:
+def unit_gather(shards: list[torch.Tensor], units: int, unit: int) -> torch.Tensor:
     """Start the all-gather of ``unit`` (``shards``: the members this graph
     reads, for ordering; the data comes from the unit's flat shard)."""
     u = units_of(units)
-    u.gather_start(unit, offsets)
+    u.gather_start(unit)
     return torch.empty(0, device=u.units[unit].device)
 
 
 @unit_gather.register_fake
-def _(shards, units, unit, offsets):
+def _(shards, units, unit):
     return torch.empty(0, device=units_of(units).units[unit].device)
 
 
 @torch.library.custom_op("fxshard::unit_gather_wait", mutates_args=())
-def unit_gather_wait(token: torch.Tensor, units: int, unit: int, offsets: list[int]) -> torch.Tensor:
+def unit_gather_wait(token: torch.Tensor, units: int, unit: int) -> torch.Tensor:
     """Wait for the gather; return the members' full parameters, end to end
     in ``world_size * slot`` blocks (see [Note: units and flat shards])."""
-    return units_of(units).gather_wait(unit, offsets)
+    return units_of(units).gather_wait(unit)
 
 
 @unit_gather_wait.register_fake
-def _(token, units, unit, offsets):
+def _(token, units, unit):
     u = units_of(units)
     v = u.units[unit]
     return torch.empty(u.world_size * v.numel, dtype=v.gather_dtype, device=v.device)
