@@ -71,6 +71,34 @@ def test_reshard_after_forward_saves_no_full_weight(fake_pg):
         assert wait.target == UNIT_GATHER_WAIT
 
 
+def _view_base(node: fx.Node) -> fx.Node:
+    while getattr(node.target, "is_view", False):
+        node = node.args[0]
+    return node
+
+
+def test_kept_unit_saves_its_small_members_as_copies(fake_pg):
+    """The unit the forward keeps for backward (the final norm and the output
+    projection) is saved as views of the output projection and a copy of the
+    norm's weight: a saved view of the small weight kept the whole gathered
+    unit alive until the norm's gradient, after the unit's reduce input was
+    built (1 GiB at the 8B benchmark's peak)."""
+    model = models.TinyLlama(tie=False)
+    record = _train_once(model, unit_mb=0.003)
+    last = model.fxshard_plan.units.units[-1]
+    assert last.names == ("norm.weight", "output.weight")
+    fw = record.forward
+    (wait,) = [n for n in _nodes(fw, UNIT_GATHER_WAIT) if n.args[2] == last.index]
+    (output,) = [n for n in fw.graph.nodes if n.op == "output"]
+    saved = [a for a in output.args[0] if isinstance(a, fx.Node)]
+    views = [a.meta["val"].numel() for a in saved if _view_base(a) is wait]
+    copies = [a.meta["val"].shape for a in saved if a.target == torch.ops.aten.clone.default
+              and _view_base(a.args[0]) is wait]  # fmt: skip
+    norm, out = last.members
+    assert views and all(n == out.numel for n in views)
+    assert copies == [torch.Size(norm.info.shape)]
+
+
 def test_one_collective_per_unit(fake_pg):
     """With 256 MiB units (the default) and flat graphs the tiny model is one
     unit: one all-gather in forward, kept for backward (it is the last unit),

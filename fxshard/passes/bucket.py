@@ -8,6 +8,12 @@ In a forward, backward or inference graph:
   marker. Each marker's uses then read a slice of the wait's output, viewed
   as the full parameter. A unit is gathered whole even where the graph reads
   only some of its members.
+- In the unit a forward keeps for backward (``MUST_SAVE``; see [Note: reshard
+  by recompute]), the smallest members, up to 1/16 of the unit in all, read
+  a copy instead: a saved view of the final norm's weight (16 KiB) kept the
+  whole gathered output projection (1 GiB on the 8B benchmark) alive until
+  the norm's gradient, which came after that unit's reduce input was built,
+  at the backward's peak.
 - The ``fxshard::reduce_grad`` markers of one unit become one
   ``fxshard::unit_reduce`` and its wait, placed where the last of the unit's
   gradients is complete. Each marker's uses read a slice of the wait's output,
@@ -23,11 +29,12 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.passes.lower import COPIED_META, LOWERED, fake_value, op_arguments
 from fxshard.passes.markers import is_reduce, is_unshard
 from fxshard.runtime import compat
-from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Member, Units
+from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Member, Unit, Units
 
 NBYTES = "fxshard_bytes"  # node.meta key: bytes a unit collective moves (its output, all ranks)
 _aten = torch.ops.aten
@@ -55,6 +62,20 @@ class _Inserter:
         node.meta[LOWERED] = True
         node.meta["val"] = fake_value(target, node.args, node.kwargs, self.fake_mode)
         return node
+
+
+def _copied_members(unit: Unit, found: list[tuple[int, fx.Node]], ws: int) -> set[int]:
+    """Members of a unit the forward keeps for backward that read a copy: the
+    smallest, up to 1/16 of the gathered unit in all (see the module's doc)."""
+    if not any(node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for _, node in found):
+        return set()
+    copied, total = set(), 0
+    for j in sorted({j for j, _ in found}, key=lambda j: unit.members[j].numel):
+        total += unit.members[j].numel
+        if 16 * total > ws * unit.numel:
+            break
+        copied.add(j)
+    return copied
 
 
 def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int, row: int,
@@ -100,13 +121,16 @@ def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
             token = new(UNIT_GATHER, shards, units.id, u)
             full = new(UNIT_GATHER_WAIT, token, units.id, u)
             full.meta[NBYTES] = token.meta[NBYTES] = unit.gather_nbytes()
+            copied = _copied_members(unit, found, ws)
             views: dict[int, fx.Node] = {}
-            for j, _ in found:
+            for j, node in found:
                 if j not in views:
                     m = unit.members[j]
                     start = ws * m.offset
                     views[j] = new(_aten.view.default, new(_aten.slice.Tensor, full, 0, start, start + m.numel),
                                    list(m.info.shape))  # fmt: skip
+                    if j in copied:
+                        views[j] = new(_aten.clone.default, views[j])  # saved without pinning the unit
         for j, node in found:  # only now: inserting before an erased node corrupts the graph
             node.replace_all_uses_with(views[j])
             graph.erase_node(node)
