@@ -264,7 +264,8 @@ def main() -> None:
                         help="one process, a fake process group of this many ranks: memory only (no communication "
                              "runs, so step times and losses mean nothing)")
     parser.add_argument("--memory-step", type=int, default=None,
-                        help="trace this step's allocations and report who holds its peak (bench/memtrace.py)")
+                        help="trace this step's allocations and report who holds its peak (bench/memtrace.py); "
+                             "pick a warm-up step, since recording slows it")
     args = parser.parse_args()
     global DEVICE, PROFILE, MEMORY_STEP
     DEVICE = args.device

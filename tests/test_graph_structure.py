@@ -381,6 +381,27 @@ def test_reduce_waits_deferred(fake_pg, in_flight):
     assert alive == in_flight
 
 
+def test_reduce_waits_have_compute_to_hide_behind(fake_pg):
+    """Units whose gradients one op completes (a layer's outlined call, split
+    into two units by ``units=``) count as one reduce in flight: each wait
+    still has compute between it and its reduce, unless nothing is left to
+    compute."""
+    model = models.TinyLlama()
+    mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
+    record = _train_once(model, units=[model.layers[0].attn, model.layers[1].attn], unit_mb=0.003, mp_policy=mp)
+    bw = record.backward
+    nodes = list(bw.graph.nodes)
+    pos = _positions(bw)
+    compute = [pos[n] for n in nodes if n.op == "call_function" and not n.meta.get(LOWERED)
+               and n.target not in (RS, UNIT_REDUCE_WAIT, AG, UNIT_GATHER_WAIT)]  # fmt: skip
+    reduces = _nodes(bw, RS)
+    assert len(reduces) >= 5  # two units per layer, and the rest
+    for rs in reduces:
+        (wait,) = rs.users
+        if any(p > pos[rs] for p in compute):
+            assert any(pos[rs] < p < pos[wait] for p in compute), rs.name
+
+
 def test_reduces_on_their_own_group(fake_pg, monkeypatch):
     """Reduce-scatters use a second communicator over the same ranks, so they
     can overlap the backward's all-gathers."""

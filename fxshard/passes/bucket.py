@@ -9,11 +9,14 @@ In a forward, backward or inference graph:
   as the full parameter. A unit is gathered whole even where the graph reads
   only some of its members.
 - In the unit a forward keeps for backward (``MUST_SAVE``; see [Note: reshard
-  by recompute]), the smallest members, up to 1/16 of the unit in all, read
-  a copy instead: a saved view of the final norm's weight (16 KiB) kept the
-  whole gathered output projection (1 GiB on the 8B benchmark) alive until
-  the norm's gradient, which came after that unit's reduce input was built,
-  at the backward's peak.
+  by recompute]; with ``reshard_after_forward=False``, every unit), the
+  one-dimensional members (norm weights, biases), smallest first and up to
+  1/16 of the unit in all, read a copy instead: a saved view of the final norm's weight
+  (8 KiB) kept the whole gathered output projection (1 GiB on the 8B
+  benchmark) alive until the norm's gradient, which came after that unit's
+  reduce input was built, at the backward's peak. Inductor keeps the copy
+  while another view of the unit is saved (``remove_noop_ops``), which is
+  the case that pins.
 - The ``fxshard::reduce_grad`` markers of one unit become one
   ``fxshard::unit_reduce`` and its wait, placed where the last of the unit's
   gradients is complete. Each marker's uses read a slice of the wait's output,
@@ -66,11 +69,13 @@ class _Inserter:
 
 def _copied_members(unit: Unit, found: list[tuple[int, fx.Node]], ws: int) -> set[int]:
     """Members of a unit the forward keeps for backward that read a copy: the
-    smallest, up to 1/16 of the gathered unit in all (see the module's doc)."""
+    one-dimensional ones, smallest first, up to 1/16 of the gathered unit in
+    all (see the module's doc)."""
     if not any(node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for _, node in found):
         return set()
     copied, total = set(), 0
-    for j in sorted({j for j, _ in found}, key=lambda j: unit.members[j].numel):
+    vectors = {j for j, _ in found if len(unit.members[j].info.shape) == 1}
+    for j in sorted(vectors, key=lambda j: unit.members[j].numel):
         total += unit.members[j].numel
         if 16 * total > ws * unit.numel:
             break

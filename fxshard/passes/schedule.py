@@ -21,10 +21,14 @@ gather. This pass moves collectives, never compute:
   input of the reduce-scatter issued ``max_reduces_in_flight`` later is
   built (its cast, pad and layout, which lowering inserted), or to the end.
   The backward does not stall on it: the reduce ran while the later units'
-  gradients were computed. And at most ``max_reduces_in_flight`` reduce
-  inputs are alive at once, since the wait frees its input before the next
-  one is allocated. (Placed just before the later reduce-scatter itself, one
-  more was alive: on the 8B benchmark that is 0.9 GiB of fp32 per unit.)
+  gradients were computed. Reduces that no compute separates (one outlined
+  block's call completes several units' gradients) count as one. And at
+  most ``max_reduces_in_flight`` of the reduce inputs that lowering builds
+  are alive at once, since the wait frees its input before the next one is
+  allocated (a reduce that sends a gradient as it is, with no cast or pad,
+  has no input of its own). Placed just before the later reduce-scatter
+  itself, one more was alive: on the 8B benchmark that is 0.9 GiB of fp32
+  per unit.
 
 Collectives keep their relative order within each kind, and the pass is a
 function of the graph, so every rank issues the same collectives in the same
@@ -139,6 +143,11 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
     output = next(n for n in graph.nodes if n.op == "output")
     for i, rs in enumerate(reduces):
         later = i + max_reduces_in_flight
+        # Reduces that no compute separates (one outlined block's call
+        # completes the gradients of several units) count as one, as stages
+        # do for gathers: the wait must have compute to hide behind.
+        while later < len(reduces) and not _computes_between(rs, _built_from(reduces[later])):
+            later += 1
         anchor = _built_from(reduces[later]) if later < len(reduces) else output
         chain = _output_chain(_wait_of(rs), output, anchor)
         if chain is None:
@@ -164,6 +173,20 @@ def _built_from(reduce: fx.Node) -> fx.Node:
     return min(chain, key=order.__getitem__)
 
 
+def _is_compute(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target not in _COMM and not node.meta.get(LOWERED)
+
+
+def _computes_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether a compute node lies strictly between ``first`` and ``last``."""
+    node = first.next
+    while node is not last and node.op != "output":
+        if _is_compute(node):
+            return True
+        node = node.next
+    return False
+
+
 def _stages(graph: fx.Graph, units: list[list[fx.Node]]) -> list[int]:
     """Each unit's stage: consecutive units whose waits no compute separates
     (one op needs them all, such as an outlined block's call) are one stage,
@@ -176,7 +199,7 @@ def _stages(graph: fx.Graph, units: list[list[fx.Node]]) -> list[int]:
     for unit in units:
         at = pos[_wait_of(unit[0])]
         between = nodes[previous + 1 : at] if previous is not None else []
-        computes = any(n.op == "call_function" and n.target not in _COMM and not n.meta.get(LOWERED) for n in between)
+        computes = any(_is_compute(n) for n in between)
         stages.append(stages[-1] + computes if stages else 0)
         previous = at
     return stages
