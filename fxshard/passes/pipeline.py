@@ -74,7 +74,7 @@ class BackendSpec:
     # ("": a fake group, assume equal); None gathers embedding tables like any weight.
     embedding_count_group: str | None = None
     outline_blocks: bool = False  # compile each repeated block once (see [Note: outlined blocks])
-    reduces_in_flight: int = 1  # reduce-scatters issued before the oldest one's wait (see [Note: prefetch by units])
+    reduces_in_flight: int = 1  # gradient reduce-scatters running at once (see [Note: prefetch by units])
 
 
 @dataclass

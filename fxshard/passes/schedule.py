@@ -141,14 +141,16 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
     deferred = 0
     reduces = [n for n in graph.nodes if _is_lowered(n, _REDUCE_SCATTER, UNIT_REDUCE)]
     output = next(n for n in graph.nodes if n.op == "output")
+    order = {n: i for i, n in enumerate(graph.nodes)}  # only waits move below, never what builds an input
+    built = [_built_from(rs, order) for rs in reduces]
     for i, rs in enumerate(reduces):
         later = i + max_reduces_in_flight
         # Reduces that no compute separates (one outlined block's call
         # completes the gradients of several units) count as one, as stages
         # do for gathers: the wait must have compute to hide behind.
-        while later < len(reduces) and not _computes_between(rs, _built_from(reduces[later])):
+        while later < len(reduces) and not _computes_between(rs, built[later]):
             later += 1
-        anchor = _built_from(reduces[later]) if later < len(reduces) else output
+        anchor = built[later] if later < len(reduces) else output
         chain = _output_chain(_wait_of(rs), output, anchor)
         if chain is None:
             continue
@@ -159,7 +161,7 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
     return Schedule(tuple(tuple(g.name for g in unit) for unit in units), prefetch, deferred)
 
 
-def _built_from(reduce: fx.Node) -> fx.Node:
+def _built_from(reduce: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
     """The first node, in graph order, of what lowering inserted to build
     ``reduce``'s input (casts, pads, the rank-major layout); ``reduce`` itself
     where it sends a gradient as it is."""
@@ -169,7 +171,6 @@ def _built_from(reduce: fx.Node) -> fx.Node:
         if n.op == "call_function" and n.meta.get(LOWERED) and n.target not in _COMM and n not in chain:
             chain.append(n)
             frontier.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(reduce.graph.nodes)}
     return min(chain, key=order.__getitem__)
 
 

@@ -300,13 +300,8 @@ def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
 
 def foreach_copy_(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for each pair (casting), as one multi-tensor kernel
-    where torch has ``_foreach_copy_`` (2.1+), else one copy each."""
-    fn = getattr(torch, "_foreach_copy_", None)
-    if fn is None:  # pragma: no cover - torch without it
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src)
-        return
-    fn(dsts, srcs)
+    (``torch._foreach_copy_``, in every torch fxshard supports)."""
+    torch._foreach_copy_(dsts, srcs)
 
 
 def all_gather_coalesced_async(outs: list[torch.Tensor], inps: list[torch.Tensor], group: Any, coalesce: bool) -> Any:

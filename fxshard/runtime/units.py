@@ -195,7 +195,6 @@ class Units:
         self._pending: dict[tuple, tuple] = {}
         self._groups: dict[str, object] = {}  # group name -> ProcessGroup, resolved on first use
         self._nccl: dict[str, bool] = {}  # group name -> whether it is NCCL, on first use
-        self._rank: int | None = None  # this process's rank in the gather group, on first use
         self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.id: int | None = None  # set when the units are formed
 
@@ -300,8 +299,6 @@ class Units:
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
         group = self._group(self.group_name)
-        if self._rank is None:
-            self._rank = group.rank()
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
         source = u.flat_shard()  # a copy until ``rehome``: kept until the wait (see below)
         outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
@@ -312,7 +309,7 @@ class Units:
             stream.wait_stream(torch.cuda.current_stream(u.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if cast:  # into this rank's slot of each member's block; the all-gather runs in place
-                r = self._rank
+                r = group.rank()
                 inputs = [o[r * m.slot : (r + 1) * m.slot] for o, m in zip(outputs, u.members)]
                 compat.foreach_copy_(inputs, sources)
             else:
