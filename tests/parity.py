@@ -129,6 +129,12 @@ SCENARIOS: dict[str, Scenario] = {
     # the default, explicit here since blocks_once_gathers_again checks it.
     "blocks_once": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
                                                          compile_blocks_once=True)),  # fmt: skip
+    # The default options on a plain nn.Sequential: its activations are alike
+    # blocks without weights (see [Note: outlined blocks]) and Inductor compiles.
+    "sequential_defaults": Scenario(
+        make_model=lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)),
+        make_batch=lambda g: torch.randn(8, 32, generator=g), loss=_mse,
+    ),
     "uneven_units_prefetch1": Scenario(
         make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
         compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=1),

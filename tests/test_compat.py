@@ -43,3 +43,34 @@ def test_invoke_subgraph_schemas_left_to_torch_where_it_caches(monkeypatch):
     before = Hop.gen_schema
     compat._cache_invoke_subgraph_schemas(Hop())
     assert Hop.gen_schema is before
+
+
+@torch.compiler.nested_compile_region
+def _relu(x):
+    return torch.relu(x)
+
+
+def _sequential_relus(x, w1, w2, w3):
+    return _relu(_relu(x @ w1) @ w2) @ w3
+
+
+def test_outlined_bodies_do_not_write_into_the_callers_buffers():
+    """A body's lowering inherited the outer backward's donated inputs, so the
+    shared ReLU body's backward wrote its output into a buffer that the outer
+    graph then reused (see [Note: subgraph donation]): wrong gradients."""
+    import torch._inductor.config as inductor_config
+
+    def backend(gm, example_inputs):
+        return compat.compile_fx(gm, example_inputs, inner_compile=compat.compile_fx_inner)
+
+    torch.manual_seed(0)
+    args = [torch.randn(8, 32), torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 4)]
+    args = [a.requires_grad_() for a in args]
+    expected = torch.autograd.grad(_sequential_relus(*args).pow(2).mean(), args)
+    torch._dynamo.reset()
+    with inductor_config.patch(force_disable_caches=True):
+        compiled = torch.compile(_sequential_relus, backend=backend, fullgraph=True)
+        actual = torch.autograd.grad(compiled(*args).pow(2).mean(), args)
+    torch._dynamo.reset()
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,9 @@ calls take the layer's gathered weights as inputs.
 - Blocks are outlined only where they are alike node for node: the same
   ops, the same constants, inputs of the same shapes, strides and dtypes. A
   block that differs gets a body of its own; one alike to none stays inline.
+- A block must read weights. Outlining is proven on layers that do, and a
+  block without weights (the activations of an ``nn.Sequential``) is too
+  small for one compile instead of many to matter; it stays inline.
 - Nodes outside a block that the graph interleaves with it (its unshards)
   move ahead of it; a block whose values are read before its end is left
   inline, as is one with effects torch cannot replay (in-place ops on
@@ -144,6 +147,8 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     if not outputs or not all(_static(example_value(i)) for i in inputs):
         return None
+    if not any(is_unshard(i) for i in inputs):
+        return None  # no weights: nothing to compile once that is worth a call (see the Note)
     key = (tuple(ops), tuple(_tensor_key(example_value(i)) for i in inputs),
            tuple(_tensor_key(example_value(n)) for n in nodes), tuple(local[o] for o in outputs))  # fmt: skip
     return _Block(name, nodes, list(inputs), outputs, key)

@@ -7,6 +7,7 @@ the one file to change.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from typing import Any, Callable
@@ -21,7 +22,8 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 from torch._guards import detect_fake_mode  # noqa: E402
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402
+from torch._inductor import graph as _inductor_graph  # noqa: E402
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner as _compile_fx_inner  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 try:  # torch >= 2.6 names the base class of cache-aware custom passes
@@ -122,6 +124,47 @@ def skip_as_top_frame(code: Any) -> None:
     from torch._C._dynamo.eval_frame import set_code_exec_strategy, _FrameAction, _FrameExecStrategy
 
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+def compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's ``compile_fx_inner``; a graph that calls outlined bodies is
+    compiled with its bodies donating no inputs (see [Note: subgraph donation])."""
+    op = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    calls_bodies = op is not None and any(n.target is op for n in gm.graph.nodes)
+    with _subgraphs_donate_no_inputs() if calls_bodies else contextlib.nullcontext():
+        return _compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+# [Note: subgraph donation]
+# AOTAutograd marks some backward inputs "donated" (saved activations no one
+# else reads), and Inductor may then write into them in place. Each graph
+# lowering reads the indices of those inputs from the tracing context, and
+# on torch 2.11 to 2.13 the lowering of an ``invoke_subgraph`` body inherits
+# the *outer* backward's indices and applies them to the body's own inputs.
+# A body's backward then writes its output into an input the outer graph
+# still owns, and the outer graph, which cannot know, reuses that buffer
+# while the output is alive: an ``nn.Sequential`` whose two ReLUs became one
+# body got gradients off by 7e-2 (tests/test_compat.py). A body cannot know
+# which of its inputs the caller may give up, so its inputs donate nothing;
+# the outer graph's donations stay as they are. Later torch clears the
+# indices itself (pytorch#193960), where this does nothing.
+@contextlib.contextmanager
+def _subgraphs_donate_no_inputs() -> Any:
+    cls = getattr(_inductor_graph, "SubgraphLowering", None)
+    if cls is None:
+        yield
+        return
+    original = cls.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.bw_donated_idxs = None
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
 
 
 def inductor_decompositions() -> dict:
