@@ -75,11 +75,6 @@ def _check_model(model: nn.Module) -> None:
                 f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. "
                 "Store it with shape (1,) instead"
             )
-        if param.device.type == "meta":
-            raise NotImplementedError(
-                f"parameter {name!r} is on the meta device; meta-device init is not supported yet. "
-                "Materialize the model first (model.to_empty(device=...) and initialize it)"
-            )
 
 
 def _explicit_units(model: nn.Module, units: object) -> list[list[str]]:
@@ -123,12 +118,28 @@ def _default_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
-    expected = torch.device(mesh.device_type)
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of ``mesh``: where its shards live."""
     if mesh.device_type != "cpu" and torch.accelerator.is_available():
-        expected = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    return torch.device(mesh.device_type)
+
+
+def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Parameters on the mesh's device, or all on the meta device (meta-device
+    init: ``model.to_empty`` materializes the shards after compile)."""
+    expected = _mesh_device(mesh)
+    devices = {p.device.type for p in model.parameters()}
+    if "meta" in devices and devices != {"meta"}:
+        meta = next(n for n, p in model.named_parameters() if p.is_meta)
+        raise ValueError(
+            f"parameter {meta!r} is on the meta device and others are not; build the whole model on the "
+            "meta device (with torch.device('meta'): model = Net()), or none of it"
+        )
     for name, param in model.named_parameters():
         device = param.device
+        if device.type == "meta":
+            continue
         if device.type != expected.type or (expected.index is not None and device.index != expected.index):
             raise ValueError(
                 f"parameter {name!r} is on {device} but this rank's mesh device is {expected}; "
@@ -139,7 +150,10 @@ def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
 def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
         first = next(model.parameters(), None)
-        mesh = _default_mesh(first.device.type if first is not None else "cpu")
+        device_type = first.device.type if first is not None else "cpu"
+        if device_type == "meta":  # materialized later, on this machine's accelerator if it has one
+            device_type = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+        mesh = _default_mesh(device_type)
     elif not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim != 1:
@@ -276,7 +290,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
 
     reduce_group_name = _reduce_group(mesh)
-    params, state = shard_parameters(model, mesh, mp_policy, sequenced=backend == "eager",
+    params, state = shard_parameters(model, mesh, _mesh_device(mesh), mp_policy, sequenced=backend == "eager",
                                      reduce_group_name=reduce_group_name)  # fmt: skip
     graphs: list[GraphRecord] = []
     unit_plan = None

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import logging
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -58,6 +60,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fxshard import params as param_writes
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
@@ -72,6 +75,20 @@ ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # key
 
 class FXShardModule:
     """Mixin of every module class that fxshard swapped in."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # ``to_empty``, ``.to``, ``.half``: into the shards themselves (see
+        # RootState.take), so parameters, units and optimizers keep their tensors.
+        return param_writes.apply_to_shards(self, fn, self.__dict__[ROOT_STATE].take, recurse)
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        raise NotImplementedError(
+            "copy.deepcopy of a module that fxshard.compile sharded is not supported (its shards are tied to "
+            "the model's units and process groups). For an EMA copy, keep copies of the shards: "
+            "ema = [p.detach().clone() for p in model.parameters()], updated with "
+            "torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1 - decay); "
+            "or deepcopy the model before fxshard.compile and compile the copy too"
+        )
 
 
 class FXShardRoot(FXShardModule):
@@ -147,6 +164,12 @@ class LocalShards:
                     f"(it is now {type(param).__name__}); load values with load_state_dict() or copy_() "
                     "into the existing shards instead of assigning new parameters"
                 )
+            if compat.local_tensor(param).is_meta:
+                raise ValueError(
+                    f"parameter {attr!r} of {type(module).__name__} is still on the meta device; materialize "
+                    "the model before calling it: model.to_empty(device=...), then its own init "
+                    "(reset_parameters() or init_weights())"
+                )
             params.append(param)
         return params
 
@@ -181,16 +204,26 @@ class LocalShards:
 
 def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) -> property:
     shape, dtype = list(spec.shape), spec.dtype or spec.shard_dtype
+    as_stored = dataclasses.replace(spec, dtype=None)
 
     def get(module: nn.Module) -> torch.Tensor:
         table = module._fxshard_locals
         if ANCHOR in table:  # sequenced reads (see [Note: two ways to read])
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
-        # Inside a root call the local comes from the table; outside one (a
-        # submodule called directly, a read after training), from the DTensor.
-        local = table[attr] if attr in table else module._parameters[attr].to_local()
-        return _gather(local, spec)
+        if attr in table:  # inside a root call: the compute dtype, read by the graph
+            return _gather(table[attr], spec)
+        # Outside one (init, a submodule called directly, a read after
+        # training): the parameter as stored, and writes to it land in the
+        # shard (see [Note: writes to gathered parameters]).
+        param, state = module._parameters[attr], module.__dict__[ROOT_STATE]
+        start, end = shard_range(spec.dim0, spec.world_size, state.rank)
+        if spec.fqn in state.uninitialized:  # materialized from meta, never written: no values to gather
+            full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
+        else:
+            full = _gather(param.to_local(), as_stored)
+        sink = param_writes.shard_sink(param, start, end, lambda: state.uninitialized.discard(spec.fqn))
+        return param_writes.gathered_parameter(full, full, sink)
 
     compat.skip_as_top_frame(get.__code__)
     return property(get, doc=f"The full parameter {spec.fqn!r}, gathered from its shards.")
@@ -199,14 +232,57 @@ def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) ->
 class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
-    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...]) -> None:
+    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...],
+                 rank: int, device: torch.device, fqns: dict[int, str]) -> None:  # fmt: skip
         self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
         self.infos = infos  # per distinct parameter, for units (fxshard/runtime/units.py)
+        self.rank, self.device = rank, device
+        self.fqns = fqns  # id of each shard -> its parameter's name
+        # id of a shard on the meta device -> (it, the shard that replaced it)
+        self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
+        # Parameters materialized from the meta device and not yet written
+        # (see [Note: writes to gathered parameters]).
+        self.uninitialized: set[str] = set()
         # Set by fxshard.compile: recompile allowing graph breaks; called once.
         self.on_graph_break: Callable[[BaseException], None] | None = None
         # Set by fxshard.compile: called once, after the first call ran as one graph.
         self.after_first_call: Callable[[], None] | None = None
+
+    def take(self, param: DTensor, applied: Any, attr: str) -> DTensor | None:
+        """Take ``applied``, what ``nn.Module._apply``'s function made of the
+        shard ``param``, into ``param`` itself; or, for a shard on the meta
+        device, return the parameter that replaces it (a DTensor keeps the
+        device it was made on), the same one for every module sharing it."""
+        if applied is param:
+            return None
+        fqn = self.fqns.get(id(param), attr)
+        if not isinstance(applied, DTensor) or applied.dtype != param.dtype:
+            raise ValueError(
+                f"parameter {fqn!r} is a {param.dtype} shard; fxshard.compile fixed its dtype, so the model "
+                f"cannot be converted to {getattr(applied, 'dtype', type(applied).__name__)} now. Convert it "
+                "before fxshard.compile (model.to(dtype)), or compute in another dtype with "
+                "mp_policy=fxshard.MixedPrecision(param_dtype=...)"
+            )
+        new, old = compat.local_tensor(applied), compat.local_tensor(param)
+        if new.device != self.device:
+            raise ValueError(
+                f"parameter {fqn!r} lives on this rank's mesh device {self.device}; fxshard cannot move it to "
+                f"{new.device}. Move the model before fxshard.compile, or materialize it there with "
+                f"model.to_empty(device={str(self.device)!r})"
+            )
+        if old.is_meta:  # to_empty: memory, and no values yet
+            made = self.materialized.get(id(param))
+            if made is None or made[0]() is not param:
+                replacement = nn.Parameter(applied, requires_grad=param.requires_grad)
+                made = self.materialized[id(param)] = (weakref.ref(param), replacement)
+                param_writes.retire(param, fqn)
+                self.fqns[id(replacement)] = fqn
+                self.uninitialized.add(fqn)
+            return made[1]
+        if new is not old:
+            old.copy_(new)
+        return None
 
     def call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         if self.sequenced:
@@ -241,7 +317,7 @@ def _root_forward(self, *args, **kwargs):
     return _base.forward(self, *args, **kwargs)  # noqa: F821 - _base is in the copy's own globals
 
 
-ROOT_STATE = "_fxshard_root_state"  # the root module's RootState, in its instance __dict__
+ROOT_STATE = "_fxshard_root_state"  # the root's RootState, in the instance __dict__ of every swapped module
 
 
 def _root_methods(base: type) -> dict[str, object]:
@@ -266,13 +342,13 @@ def _root_methods(base: type) -> dict[str, object]:
     return {"forward": forward, "__call__": __call__}
 
 
-def _swap_class(module: nn.Module, properties: dict[str, property], state: RootState | None) -> None:
+def _swap_class(module: nn.Module, properties: dict[str, property], state: RootState, root: bool) -> None:
     base = type(module)
     namespace: dict[str, object] = dict(properties)
-    if state is not None:
+    if root:
         namespace.update(_root_methods(base))
-        module.__dict__[ROOT_STATE] = state
-    mixin = FXShardModule if state is None else FXShardRoot
+    module.__dict__[ROOT_STATE] = state
+    mixin = FXShardRoot if root else FXShardModule
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
@@ -285,10 +361,13 @@ def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> nn.P
 
 
 def shard_parameters(
-    model: nn.Module, mesh: DeviceMesh, mp: MixedPrecision, sequenced: bool, reduce_group_name: str
+    model: nn.Module, mesh: DeviceMesh, device: torch.device, mp: MixedPrecision, sequenced: bool,
+    reduce_group_name: str,
 ) -> tuple[tuple[ParamShard, ...], RootState]:
     """Shard every parameter of ``model`` in place; return the plan of each
     and the root's state. ``sequenced`` starts with sequenced reads (eager runs).
+    ``device`` is where shards live: the parameters' device, or the mesh's
+    for parameters on the meta device (materialized later by ``to_empty``).
 
     A parameter owned by several modules (tied weights) becomes one shard,
     registered in every owner, and is named by its first owner's path.
@@ -307,16 +386,20 @@ def shard_parameters(
                 dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
                 specs[id(param)] = ParamShard(
                     fqn, param.shape[0], mesh.size(), mesh.get_group().group_name, reduce_group_name, dtype,
-                    mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, param.device,
+                    mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device,
                 )  # fmt: skip
 
     per_module: dict[nn.Module, dict[str, ParamShard]] = {}
     entries: list[SeqEntry] = []
     infos: list[ParamInfo] = []
+    fqns: dict[int, str] = {}
     for key, mod_attrs in owners.items():
         spec = specs[key]
         first_mod, first_attr = mod_attrs[0]
-        shard = _shard_of(first_mod._parameters[first_attr], mesh, spec.requires_grad)
+        old = first_mod._parameters[first_attr]
+        shard = _shard_of(old, mesh, spec.requires_grad)
+        param_writes.retire(old, spec.fqn)
+        fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
@@ -326,10 +409,10 @@ def shard_parameters(
     index = {spec.fqn: i for i, spec in enumerate(specs.values())}
     sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
     shards = LocalShards(list(owners.values()))
-    state = RootState(shards, sequencer, sequenced, tuple(infos))
+    state = RootState(shards, sequencer, sequenced, tuple(infos), mesh.get_local_rank(), device, fqns)
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}
-        _swap_class(mod, props, state if mod is model else None)
+        _swap_class(mod, props, state, root=mod is model)
     return tuple(specs.values()), state
 
 

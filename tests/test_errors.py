@@ -88,10 +88,9 @@ def test_zero_dim_parameter_is_a_known_gap(fake_pg):
         fxshard.compile(model)
 
 
-def test_meta_parameters_are_a_known_gap(fake_pg):
-    with torch.device("meta"):
-        model = nn.Linear(4, 4)
-    with pytest.raises(NotImplementedError, match="to_empty"):
+def test_a_model_partly_on_the_meta_device(fake_pg):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"'1.weight' is on the meta device and others are not"):
         fxshard.compile(model)
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "group_is_live",
     "invoke_subgraph_op",
     "is_higher_order_op",
+    "disable_torch_function_subclass",
     "local_tensor",
     "replace_local_tensor",
     "resolve_group",
@@ -313,6 +314,12 @@ def group_backend(group_name: str) -> str:
     import torch.distributed as dist
 
     return str(dist.get_backend(resolve_group(group_name)))
+
+
+def disable_torch_function_subclass() -> Any:
+    """Run torch functions on a tensor subclass as on a plain tensor (what
+    ``Tensor.__torch_function__`` does around each call)."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def local_tensor(dtensor: Any) -> torch.Tensor:

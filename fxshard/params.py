@@ -1,0 +1,166 @@
+"""Parameters stay the user's: writes, conversions and optimizers after compile.
+
+[Note: writes to gathered parameters]
+Outside the model's forward, ``module.weight`` is the full parameter,
+gathered from the shards (see [Note: gather on access]). In plain PyTorch a
+write to it changes the parameter, so here it must change the shards:
+``nn.init.trunc_normal_(module.weight)``, ``module.weight.data.normal_()``
+(Hugging Face's ``_init_weights``), ``module.weight.copy_(full)``,
+``module.weight[0] = 1`` or ``module.weight.data = full``. The value read is
+a ``GatheredParameter``: a plain tensor whose ``__torch_function__`` runs
+each function as usual, then, if the function wrote the value or an alias
+of it (its version counter moved, or ``.data =`` gave it other storage),
+copies this rank's rows into its local shard. Every rank runs the same code,
+so every rank writes its own rows: after ``nn.init.normal_(w)`` with the same
+seed, the full parameter is what the unsharded model would hold, at any
+world size. Views and ``.data`` of the value are ``GatheredParameter`` too,
+so a write through them lands as well.
+
+Meta-device init builds on this: after ``model.to_empty(device=...)`` a
+parameter has no values yet, so reading it returns an uninitialized full
+tensor without a collective, and the first write makes it initialized. The
+model's own init (``reset_parameters()``, ``init_weights()``) then holds
+one full parameter at a time, never the full model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fxshard.runtime import compat
+
+Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
+
+
+class GatheredParameter(torch.Tensor):
+    """A full parameter read outside the forward; writes to it reach the shard
+    (see [Note: writes to gathered parameters])."""
+
+    _fxshard_sink: Sink
+    _fxshard_root: torch.Tensor  # a plain alias of the gathered storage
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        seen = [a for a in _tensor_args(args, kwargs) if isinstance(a, GatheredParameter)]
+        with compat.disable_torch_function_subclass():
+            before = [(a._version, a.untyped_storage().data_ptr()) for a in seen]
+            out = func(*args, **kwargs)
+            for a, (version, ptr) in zip(seen, before):
+                if a.untyped_storage().data_ptr() != ptr:  # ``.data =``: a new value
+                    a._fxshard_sink(a)
+                elif a._version != version:
+                    a._fxshard_sink(a._fxshard_root)
+        return _wrap_aliases(out, seen)
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
+def _wrap_aliases(out: Any, seen: list[GatheredParameter]) -> Any:
+    """Outputs that share a gathered value's storage (views, ``.data``, an
+    in-place op's result) stay ``GatheredParameter``; the rest are plain."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_aliases(o, seen) for o in out)
+    if not isinstance(out, torch.Tensor) or isinstance(out, GatheredParameter) or not seen:
+        return out
+    ptr = out.untyped_storage().data_ptr() if out.layout == torch.strided else None
+    for a in seen:
+        if ptr is not None and ptr == a._fxshard_root.untyped_storage().data_ptr():
+            return gathered_parameter(out, a._fxshard_root, a._fxshard_sink)
+    return out
+
+
+def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink) -> GatheredParameter:
+    with compat.disable_torch_function_subclass():
+        wrapped = value.as_subclass(GatheredParameter)
+    wrapped._fxshard_root, wrapped._fxshard_sink = root, sink
+    return wrapped
+
+
+def shard_sink(param: DTensor, start: int, end: int, on_write: Callable[[], None]) -> Sink:
+    """Writes rows ``start:end`` of a full value into ``param``'s local shard."""
+    full_shape = tuple(param.shape)
+
+    def sink(full: torch.Tensor) -> None:
+        if tuple(full.shape) != full_shape:
+            raise ValueError(
+                f"a parameter of shape {full_shape} was given a value of shape {tuple(full.shape)}; "
+                "assign a tensor of the parameter's full shape"
+            )
+        with torch.no_grad(), compat.disable_torch_function_subclass():
+            compat.local_tensor(param).copy_(full[start:end])
+        on_write()
+
+    return sink
+
+
+# [Note: optimizers built before compile]
+# ``fxshard.compile`` replaces each parameter object by a new one holding the
+# shard (a DTensor cannot take over a plain tensor's object). An optimizer
+# built before then holds the old objects, which no longer receive
+# gradients: it would step nothing, silently. The old objects are recorded
+# here, weakly, and a step of any optimizer that holds one raises. Nothing is
+# checked once the old objects are gone, which they are unless such an
+# optimizer keeps them.
+_RETIRED: dict[int, tuple[weakref.ref, str]] = {}
+_HOOK: Any = None
+
+
+def retire(old: torch.Tensor, fqn: str) -> None:
+    """Record that ``old``, parameter ``fqn`` before compile, was replaced."""
+    global _HOOK
+    key = id(old)
+    _RETIRED[key] = (weakref.ref(old, lambda _, key=key: _RETIRED.pop(key, None)), fqn)
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _RETIRED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _RETIRED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                raise ValueError(
+                    f"this {type(optimizer).__name__} holds parameter {entry[1]!r} as it was before "
+                    "fxshard.compile, which replaced it by a shard; it would train nothing. Build the "
+                    "optimizer after compiling: model = fxshard.compile(model, mesh); "
+                    "opt = torch.optim.AdamW(model.parameters())"
+                )
+
+
+def apply_to_shards(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], take: Callable, recurse: bool = True
+) -> nn.Module:
+    """``nn.Module._apply`` for a module holding shards: ``fn`` of each shard
+    is taken into the shard itself (``take``), so parameters, units and
+    optimizers keep their objects (a shard materialized from the meta device
+    is a new object, which ``take`` returns); children and buffers as usual."""
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    for key, param in module._parameters.items():
+        if param is not None:
+            with torch.no_grad():
+                replacement = take(param, fn(param), key)
+            if replacement is not None:
+                module._parameters[key] = replacement
+    for key, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[key] = fn(buf)
+    return module

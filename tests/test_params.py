@@ -1,0 +1,163 @@
+"""Parameters stay the user's after compile: writes, meta-device init,
+conversions and optimizers (see [Note: writes to gathered parameters])."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxshard
+from examples.llama import RMSNorm, lm_loss, rope_tables
+from tests import models
+from tests.distributed import check_results, run_ranks
+
+
+def _mlp() -> nn.Sequential:
+    # Rows 5 and 3 shard unevenly at 2 and 3 ranks (rank 2 of 3 holds 1 row of 3).
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def _same(model: nn.Module, ref: nn.Module | list[torch.Tensor], what: str) -> None:
+    expected = ref.parameters() if isinstance(ref, nn.Module) else ref
+    for (name, p), q in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), atol=0, rtol=0, msg=f"{what}: {name}")
+
+
+def _writes(model: nn.Module, seed: int) -> None:
+    """Writes a user makes to ``module.weight``, each a different path."""
+    torch.manual_seed(seed)
+    nn.init.trunc_normal_(model[0].weight, std=0.5)  # several in-place ops
+    nn.init.zeros_(model[0].bias)
+    model[2].weight.data.normal_()  # Hugging Face's _init_weights
+    with torch.no_grad():
+        model[2].weight[1] = 7.0  # __setitem__
+        model[2].weight.data[0, 1:3].fill_(-2.0)  # a view of .data
+        model[2].bias.copy_(torch.arange(3.0))
+    model[0].bias.data = torch.linspace(0, 1, 5)  # .data = a full value
+
+
+def writes_check(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend="aot_eager")
+    _writes(model, seed=1)
+    _writes(ref, seed=1)
+    _same(model, ref, "before the first call")
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model(x), ref(x))
+    model(x).sum().backward()  # the first call moves the shards into units' flat buffers
+    _writes(model, seed=3)
+    _writes(ref, seed=3)
+    _same(model, ref, "after a step")
+    torch.testing.assert_close(model(x), ref(x), msg="the next call must compute with the written values")
+    return {}
+
+
+def optimizer_before_compile_check(rank: int, world_size: int) -> dict:
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    fxshard.compile(model, backend="aot_eager")
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"'0.weight' as it was before fxshard.compile.*after compiling"):
+        opt.step()
+    torch.optim.AdamW(model.parameters()).step()  # one built after compile steps
+    return {}
+
+
+def conversions_check(rank: int, world_size: int) -> dict:
+    model = fxshard.compile(_mlp(), backend="aot_eager")
+    before = [p.detach().full_tensor() for p in model.parameters()]
+    params = list(model.parameters())
+    assert model.float() is model and model.to("cpu") is model  # no change: nothing to do
+    assert all(p is q for p, q in zip(model.parameters(), params))
+    with pytest.raises(ValueError, match=r"'0.weight' is a torch.float32 shard.*before fxshard.compile"):
+        model.half()
+    with pytest.raises(ValueError, match="cannot be converted to torch.bfloat16"):
+        model.to(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="EMA"):
+        copy.deepcopy(model)
+    _same(model, before, "a refused conversion changes nothing")
+    return {}
+
+
+def init_weights(model: nn.Module) -> None:
+    """A torchtitan-style init of the test Llama: every value set again,
+    buffers included (``to_empty`` leaves them uninitialized too)."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+    cfg = model.cfg
+    model.rope_cos, model.rope_sin = rope_tables(cfg.dim // cfg.heads, cfg.max_len)
+
+
+def _meta_llama(device: str) -> nn.Module:
+    with torch.device("meta"):
+        return models.TinyLlama()
+
+
+def meta_init_check(rank: int, world_size: int, train: bool) -> dict:
+    """Meta model, compile, ``to_empty``, the model's own init: the same full
+    weights as the unsharded model's init with the same seed, at any world size."""
+    ref = _meta_llama("cpu").to_empty(device="cpu")
+    ref.output.weight = ref.embed.weight  # torch's to_empty unties them; fxshard keeps the one shard
+    torch.manual_seed(0)
+    init_weights(ref)
+    model = fxshard.compile(_meta_llama("cpu"), backend="aot_eager")
+    shards = list(model.parameters())
+    assert all(p.to_local().is_meta for p in shards)
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        model(torch.zeros(1, 3, dtype=torch.long))
+    early = torch.optim.AdamW(model.parameters())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_weights(model)
+    assert len(list(model.parameters())) == len(shards)
+    if train:  # an optimizer must be built after to_empty, as in plain PyTorch
+        with pytest.raises(ValueError, match="as it was before"):
+            early.step()
+    assert not model.fxshard_plan.root.uninitialized, "every parameter was written"
+    for name, p in model.named_parameters():
+        rows = p.to_local().shape[0]
+        assert rows == math.ceil(p.shape[0] / world_size) or rows < p.shape[0], f"{name}: not a shard"
+    _same(model, ref, f"init at world size {world_size}")
+    if train:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r))
+                      for r in range(world_size)]  # fmt: skip
+            loss = lm_loss(model(tokens[rank]), tokens[rank])
+            loss.backward()
+            sum(lm_loss(ref(t), t) for t in tokens).div(world_size).backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=2e-5, rtol=1e-4, msg=name)
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return {}
+
+
+def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
+    checks = {"writes": writes_check, "optimizer_before_compile": optimizer_before_compile_check,
+              "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
+              "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True)}  # fmt: skip
+    for name in names:
+        checks[name](rank, world_size)
+        torch._dynamo.reset()
+    return {}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_writes_optimizers_and_conversions(world_size):
+    names = ["writes", "optimizer_before_compile", "conversions"]
+    check_results(run_ranks(world_size, run_checks, names))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_meta_device_init(world_size):
+    check_results(run_ranks(world_size, run_checks, ["meta_init_trains" if world_size == 2 else "meta_init"]))
