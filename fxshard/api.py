@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from fxshard import checkpoint
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat
@@ -311,6 +312,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state, unit_plan)
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
+    checkpoint.install(model)  # full state dicts load into the shards
     type(model).fxshard_plan = property(lambda self: self.__dict__[PLAN], doc="The ShardPlan fxshard.compile made.")
     log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
     return model

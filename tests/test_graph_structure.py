@@ -116,19 +116,20 @@ def test_one_collective_per_unit(fake_pg):
     assert "units: 1, one all-gather and one reduce-scatter each" in record.summary()
 
 
-def test_local_shards_are_views_of_the_unit_flat_buffer(fake_pg):
-    """No copy-in: after the first call every local shard lives in its unit's
-    flat buffer, at its slot, and the gather sends that buffer itself."""
+def test_local_shards_start_their_slots(fake_pg):
+    """No copy-in: after the first call every local shard lives at the front
+    of its padded slot, a storage of its own (so its DTensor's storage offset
+    is 0 and torch.save works), and the gather sends the slots themselves."""
     model = models.TinyLlama()
     _train_once(model, unit_mb=0.003)
     units = model.fxshard_plan.units
     assert len(units.units) > 2
     for unit in units.units:
-        for m in unit.members:
+        for m, slot in zip(unit.members, unit.slots):
             local = m.info.local()
-            assert local.untyped_storage().data_ptr() == unit.flat.untyped_storage().data_ptr()
-            assert local.storage_offset() == unit.flat.storage_offset() + m.offset
-        assert unit.flat_shard() is unit.flat
+            assert local.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
+            assert local.storage_offset() == slot.storage_offset() == 0 and slot.numel() == m.slot
+        assert unit.shard_slots() is unit.slots
     named = dict(model.named_parameters())
     member = units.units[0].members[0]
     assert named[member.info.fqn].to_local().data_ptr() == member.info.local().data_ptr()
@@ -152,9 +153,9 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
     full = units.gather_wait(unit.index)
     outs, inps = sent["gather"]
     ws = units.world_size
-    for m, out, inp in zip(unit.members, outs, inps):
+    for m, slot, out, inp in zip(unit.members, unit.slots, outs, inps):
         assert out.data_ptr() == full.data_ptr() + ws * m.offset * full.itemsize and out.numel() == ws * m.slot
-        assert inp.data_ptr() == unit.flat.data_ptr() + m.offset * unit.flat.itemsize and inp.numel() == m.slot
+        assert inp.data_ptr() == slot.data_ptr() and inp.numel() == m.slot
     members = list(range(len(unit.members)))
     numel, dtype = units.reduce_layout(unit.index, members)
     inp = torch.ones(ws, numel, dtype=dtype)
@@ -434,17 +435,17 @@ def test_compiles_on_one_mesh_share_the_reduce_group(fake_pg):
 def test_a_dropped_model_frees_its_shards(fake_pg):
     """torch keeps a compiled function, and the backend its lazy backward
     compile calls, after the model is gone; the backend must not keep the
-    units, and through them every flat shard, alive (8 GiB per 8B model on
+    units, and through them every shard slot, alive (8 GiB per 8B model on
     4 ranks, found by the benchmark: each system after an fxshard one
     started with it allocated)."""
     model = models.TinyLlama()
     _train_once(model)
     units, params = weakref.ref(model.fxshard_plan.units), weakref.ref(next(model.parameters()))
-    flat = weakref.ref(model.fxshard_plan.units.units[0].flat)
+    slot = weakref.ref(model.fxshard_plan.units.units[0].slots[0])
     cls = type(model)  # caches keep classes (Python's inspect memoizes by class): it must hold nothing
     del model
     gc.collect()
-    assert units() is None and params() is None and flat() is None
+    assert units() is None and params() is None and slot() is None
     assert cls.__name__.startswith("FXShard")
 
 
@@ -487,7 +488,7 @@ def test_gathers_need_no_buffer_but_their_output(fake_pg, monkeypatch, blocks):
     """Communication holds no memory of its own. A gather that casts writes
     the cast into this rank's slot of each member's block of the gathered
     output, and the all-gather runs in place; one that does not cast sends
-    the flat shard itself. With two units in flight (prefetch=2)."""
+    the slots themselves. With two units in flight (prefetch=2)."""
     calls = []
     gather = compat.all_gather_coalesced_async
 
@@ -499,10 +500,10 @@ def test_gathers_need_no_buffer_but_their_output(fake_pg, monkeypatch, blocks):
     for mp in (fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), None):
         model = models.TinyLlama()
         record_ = _train_once(model, unit_mb=0.003, prefetch=2, mp_policy=mp, compile_blocks_once=blocks)
-        calls.clear()  # the first step sends copies until the shards move into flat buffers (Units.rehome)
+        calls.clear()  # the first step sends copies until the shards move into their slots (Units.rehome)
         model(torch.randint(0, 37, (2, 9))).sum().backward()
         units = model.fxshard_plan.units
-        flats = {u.flat.untyped_storage().data_ptr() for u in units.units}
+        slots = {s.untyped_storage().data_ptr() for u in units.units for s in u.slots}
         assert len(calls) == 2 * len(units.units) - 1  # forward and backward; the last unit is kept
         for call in calls:
             for out, inp, rank in call:
@@ -510,8 +511,8 @@ def test_gathers_need_no_buffer_but_their_output(fake_pg, monkeypatch, blocks):
                     assert inp.dtype == out.dtype == torch.bfloat16
                     assert inp.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
                     assert inp.storage_offset() == out.storage_offset() + rank * inp.numel()
-                else:  # the flat shard itself
-                    assert inp.untyped_storage().data_ptr() in flats
+                else:  # the slots themselves
+                    assert inp.untyped_storage().data_ptr() in slots
         assert "[forward memory] predicted peak: " in record_.summary()
         assert not hasattr(units, "arena")
 

@@ -332,10 +332,17 @@ def replace_local_tensor(dtensor: Any, local: torch.Tensor) -> None:
     DTensor object, so optimizers and references to it are unaffected.
     Unlike ``set_``, this leaves the old tensor and its views untouched:
     views already taken for a running call, and saved for its backward, keep
-    their storage and version counter."""
+    their storage and version counter.
+
+    The DTensor's own storage offset is fixed at construction and must equal
+    its local tensor's, as for any DTensor: ``torch.save`` tells a
+    storage-less wrapper by ``data_ptr() == 0``, which a nonzero offset breaks."""
     old = dtensor._local_tensor
     if local.shape != old.shape or local.dtype != old.dtype or local.stride() != old.stride():
         raise ValueError(f"replacement local tensor {local.shape}/{local.dtype} does not match {old.shape}/{old.dtype}")
+    if local.storage_offset() != dtensor.storage_offset():
+        raise ValueError(f"replacement local tensor starts at storage offset {local.storage_offset()}, the DTensor "
+                         f"at {dtensor.storage_offset()}; give the local tensor a storage of its own")
     dtensor._local_tensor = local
 
 

@@ -1,4 +1,4 @@
-"""Units: parameters gathered and reduced together, from one flat shard buffer.
+"""Units: parameters gathered and reduced together, from padded shard slots.
 
 [Note: units and flat shards]
 A unit is a list of parameters that move together: one all-gather brings
@@ -8,14 +8,24 @@ on every rank:
 
 - Each member ``i`` has ``chunk_i = ceil(dim0_i / world_size)`` rows per rank
   and ``row_i`` elements per row; its *slot* is ``chunk_i * row_i`` elements.
-- A rank's flat shard is the members' slots end to end (``numel`` elements).
-  Member ``i``'s local shard is a view of its slot: the first
-  ``local_rows_i * row_i`` elements (the rest is padding, never read).
-  ``Units.assign`` copies each local shard into its unit's flat buffer and
-  makes the DTensor parameter hold that view instead; the parameter objects,
-  and any optimizer holding them, are unchanged.
-- The all-gather input is the flat shard itself: no copy-in, unless the
-  gather casts it to ``param_dtype`` (the cast is the copy). It is one
+- A rank's flat shard is the members' slots end to end (``numel``
+  elements), as the collectives see it. In memory each member's slot is a
+  buffer of its own (``Unit.slots``), and member ``i``'s local shard is its
+  first ``local_rows_i * row_i`` elements (the rest is padding, never
+  read). ``Units.rehome`` copies each local shard into its slot and makes
+  the DTensor parameter hold that view instead; the parameter objects, and
+  any optimizer holding them, are unchanged.
+- A local shard starts its own storage (storage offset 0), never in the
+  middle of a buffer shared with other members. A DTensor takes its
+  wrapper's storage offset from its local tensor (every DTensor op's output
+  does, ``detach`` in ``state_dict()`` included), and ``torch.save``
+  recognizes a DTensor as a storage-less wrapper only by ``data_ptr() ==
+  0``: a local at a nonzero offset makes ``torch.save`` read the wrapper's
+  storage, which does not exist ("invalid python storage"). One buffer per
+  slot costs nothing on the wire: the collectives take one input per
+  member either way.
+- The all-gather inputs are the slots themselves: no copy-in, unless the
+  gather casts them to ``param_dtype`` (the cast is the copy). It is one
   coalesced all-gather of each member's slot, so its output is member-major
   already: member ``i``'s full parameter is the first ``dim0_i * row_i``
   elements of its ``world_size * slot_i`` block, and the graph reads it in
@@ -112,7 +122,7 @@ class Member:
 
 
 class Unit:
-    """One unit's layout and this rank's flat shard buffer."""
+    """One unit's layout and this rank's slot buffers."""
 
     def __init__(self, index: int, infos: Sequence[ParamInfo], world_size: int) -> None:
         self.index = index
@@ -127,7 +137,7 @@ class Unit:
         self.numel = offset
         first = infos[0]
         self.shard_dtype, self.gather_dtype, self.device = first.shard_dtype, first.gather_dtype, first.device
-        self.flat: torch.Tensor | None = None
+        self.slots: tuple[torch.Tensor, ...] | None = None  # per member, set by ``rehome``
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -137,35 +147,41 @@ class Unit:
         return self.world_size * self.numel * self.gather_dtype.itemsize
 
     def rehome(self) -> None:
-        """Move every member's local shard into one flat buffer (see the Note)."""
-        flat = torch.zeros(self.numel, dtype=self.shard_dtype, device=self.device)
+        """Move every member's local shard to the front of a slot buffer of
+        its own (see the Note: never at an offset into a shared buffer)."""
+        slots = []
         with torch.no_grad():
             for m in self.members:
                 local = m.info.local()
-                view = flat[m.offset : m.offset + m.local_numel].view(local.shape)
+                slot = torch.zeros(m.slot, dtype=self.shard_dtype, device=self.device)
+                view = slot[: m.local_numel].view(local.shape)
                 view.copy_(local)
                 m.info.rehome(view)
-        self.flat = flat
+                slots.append(slot)
+        self.slots = tuple(slots)
 
-    def flat_shard(self) -> torch.Tensor:
-        """This rank's flat shard: the buffer itself while every local shard
-        is still a view of its slot (the user may have replaced one); else a copy."""
-        flat = self.flat
-        if flat is not None and all(_is_slot_view(m, flat) for m in self.members):
-            return flat
-        out = torch.zeros(self.numel, dtype=self.shard_dtype, device=self.device)
+    def shard_slots(self) -> tuple[torch.Tensor, ...]:
+        """This rank's slot of each member: the buffers themselves while every
+        local shard still starts its slot (the user may have replaced one);
+        else padded copies."""
+        slots = self.slots
+        if slots is not None and all(_starts_slot(m, s) for m, s in zip(self.members, slots)):
+            return slots
+        copies = []
         for m in self.members:
-            out[m.offset : m.offset + m.local_numel].copy_(m.info.local().reshape(-1))
-        return out
+            copy = torch.zeros(m.slot, dtype=self.shard_dtype, device=self.device)
+            copy[: m.local_numel].copy_(m.info.local().reshape(-1))
+            copies.append(copy)
+        return tuple(copies)
 
 
-def _is_slot_view(m: Member, flat: torch.Tensor) -> bool:
+def _starts_slot(m: Member, slot: torch.Tensor) -> bool:
     local = m.info.local()
     return (
-        local.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-        and local.storage_offset() == flat.storage_offset() + m.offset
+        local.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
+        and local.storage_offset() == slot.storage_offset()
         and local.is_contiguous()
-        and local.dtype == flat.dtype
+        and local.dtype == slot.dtype
     )
 
 
@@ -216,7 +232,7 @@ class Units:
 
     def assign(self, first_use: Sequence[str], unit_bytes: int, blocks: Sequence[Sequence[str]] = ()) -> None:
         """Form the units, once, from the order in which a graph first reads
-        the parameters (``rehome`` moves the shards into flat buffers later).
+        the parameters (``rehome`` moves the shards into their slots later).
 
         The user's groups come first, each one unit (split where dtypes
         differ), members in first-use order; then ``blocks``, the weights of
@@ -258,11 +274,11 @@ class Units:
         return self.units[where[0]].names if where is not None else (fqn,)
 
     def rehome(self) -> None:
-        """Move the shards into their units' flat buffers. Called after the
+        """Move the shards into their units' slots. Called after the
         first call of the model ran as one graph: a model that takes
         sequenced reads never uses units. Until then a gather copies."""
         for unit in self.units:
-            if unit.flat is None:
+            if unit.slots is None:
                 unit.rehome()
 
     def _group(self, name: str) -> object:
@@ -300,9 +316,8 @@ class Units:
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
         group = self._group(self.group_name)
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
-        source = u.flat_shard()  # a copy until ``rehome``: kept until the wait (see below)
+        sources = u.shard_slots()  # copies until ``rehome``: kept until the wait (see below)
         outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
-        sources = [source[m.offset : m.offset + m.slot] for m in u.members]
         cast = u.gather_dtype != u.shard_dtype
         stream = self._side_stream(u.device) if cast else None
         if stream is not None:  # fork: the cast follows what the current stream issued before it
@@ -311,15 +326,16 @@ class Units:
             if cast:  # into this rank's slot of each member's block; the all-gather runs in place
                 r = group.rank()
                 inputs = [o[r * m.slot : (r + 1) * m.slot] for o, m in zip(outputs, u.members)]
-                compat.foreach_copy_(inputs, sources)
+                compat.foreach_copy_(inputs, list(sources))
             else:
-                inputs = sources
+                inputs = list(sources)
             work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
         # Everything the side stream reads stays referenced until the wait has
         # joined it to the current stream: the caching allocator would hand a
-        # freed ``source`` to the next allocation on the current stream while
-        # the cast still read it (the first step's forward gathered garbage).
-        self._pending[key] = (work, source, out)
+        # freed copy in ``sources`` to the next allocation on the current
+        # stream while the cast still read it (the first step's forward
+        # gathered garbage).
+        self._pending[key] = (work, sources, out)
 
     def _side_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
         """The side stream a gather's cast and collective are issued on (CUDA
@@ -406,7 +422,7 @@ def units_of(units_id: int) -> Units:
 @torch.library.custom_op("fxshard::unit_gather", mutates_args=())
 def unit_gather(shards: list[torch.Tensor], units: int, unit: int) -> torch.Tensor:
     """Start the all-gather of ``unit`` (``shards``: the members this graph
-    reads, for ordering; the data comes from the unit's flat shard)."""
+    reads, for ordering; the data comes from the unit's slots)."""
     u = units_of(units)
     u.gather_start(unit)
     return torch.empty(0, device=u.units[unit].device)
