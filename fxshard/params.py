@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fxshard.runtime import compat
+from fxshard.runtime.collectives import shard_range
 
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
 
@@ -91,21 +92,56 @@ def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink) -> G
     return wrapped
 
 
-def shard_sink(param: DTensor, start: int, end: int, on_write: Callable[[], None]) -> Sink:
-    """Writes rows ``start:end`` of a full value into ``param``'s local shard."""
-    full_shape = tuple(param.shape)
+class ShardParameter(DTensor):
+    """A parameter's ``Shard(0)`` DTensor, as ``fxshard.compile`` registers it.
 
-    def sink(full: torch.Tensor) -> None:
-        if tuple(full.shape) != full_shape:
+    A DTensor that is given new values by ``p.data = value`` keeps its old
+    local tensor (the new one never reaches it), and ``p.copy_(full)``
+    refuses a plain tensor; here both write this rank's rows into the local
+    shard, in place, so units and optimizers keep their tensors. Every other
+    operation is the DTensor's, and returns plain DTensors.
+    """
+
+    # Materialized from the meta device by ``to_empty`` and not written yet:
+    # reading it gathers nothing (see [Note: writes to gathered parameters]).
+    uninitialized: bool = False
+
+    @property
+    def data(self) -> torch.Tensor:
+        return compat.tensor_data(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        self.copy_(value)
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "ShardParameter":
+        if isinstance(src, DTensor):
+            return super().copy_(src, non_blocking)
+        self.write_full(src)
+        return self
+
+    def write_full(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of ``full``, the whole parameter, into the shard."""
+        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(self.shape):
+            got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
             raise ValueError(
-                f"a parameter of shape {full_shape} was given a value of shape {tuple(full.shape)}; "
-                "assign a tensor of the parameter's full shape"
+                f"a sharded parameter of shape {tuple(self.shape)} was given a value of shape {got}; give "
+                "it a tensor of the parameter's full shape (each rank keeps its own rows), or a DTensor "
+                "sharded like it"
             )
+        mesh = self.device_mesh
+        start, end = shard_range(self.shape[0], mesh.size(), mesh.get_local_rank())
         with torch.no_grad(), compat.disable_torch_function_subclass():
-            compat.local_tensor(param).copy_(full[start:end])
-        on_write()
+            compat.local_tensor(self).copy_(full[start:end])
+        self.uninitialized = False
 
-    return sink
+
+def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:
+    """``shard`` as a ``ShardParameter``: an ``nn.Parameter`` to torch
+    (``isinstance(p, nn.Parameter)``), registered as modules hold parameters."""
+    param = ShardParameter(compat.local_tensor(shard), compat.dtensor_spec(shard), requires_grad=requires_grad)
+    compat.mark_parameter(param)
+    return param
 
 
 # [Note: optimizers built before compile]

@@ -216,14 +216,12 @@ def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) ->
         # Outside one (init, a submodule called directly, a read after
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
-        param, state = module._parameters[attr], module.__dict__[ROOT_STATE]
-        start, end = shard_range(spec.dim0, spec.world_size, state.rank)
-        if spec.fqn in state.uninitialized:  # materialized from meta, never written: no values to gather
+        param = module._parameters[attr]
+        if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
             full = _gather(param.to_local(), as_stored)
-        sink = param_writes.shard_sink(param, start, end, lambda: state.uninitialized.discard(spec.fqn))
-        return param_writes.gathered_parameter(full, full, sink)
+        return param_writes.gathered_parameter(full, full, param.write_full)
 
     compat.skip_as_top_frame(get.__code__)
     return property(get, doc=f"The full parameter {spec.fqn!r}, gathered from its shards.")
@@ -233,17 +231,14 @@ class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
     def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...],
-                 rank: int, device: torch.device, fqns: dict[int, str]) -> None:  # fmt: skip
+                 device: torch.device, fqns: dict[int, str]) -> None:  # fmt: skip
         self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
         self.infos = infos  # per distinct parameter, for units (fxshard/runtime/units.py)
-        self.rank, self.device = rank, device
+        self.device = device
         self.fqns = fqns  # id of each shard -> its parameter's name
         # id of a shard on the meta device -> (it, the shard that replaced it)
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
-        # Parameters materialized from the meta device and not yet written
-        # (see [Note: writes to gathered parameters]).
-        self.uninitialized: set[str] = set()
         # Set by fxshard.compile: recompile allowing graph breaks; called once.
         self.on_graph_break: Callable[[BaseException], None] | None = None
         # Set by fxshard.compile: called once, after the first call ran as one graph.
@@ -274,11 +269,11 @@ class RootState:
         if old.is_meta:  # to_empty: memory, and no values yet
             made = self.materialized.get(id(param))
             if made is None or made[0]() is not param:
-                replacement = nn.Parameter(applied, requires_grad=param.requires_grad)
+                replacement = param_writes.shard_parameter(applied, param.requires_grad)
+                replacement.uninitialized = True
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
                 param_writes.retire(param, fqn)
                 self.fqns[id(replacement)] = fqn
-                self.uninitialized.add(fqn)
             return made[1]
         if new is not old:
             old.copy_(new)
@@ -352,12 +347,12 @@ def _swap_class(module: nn.Module, properties: dict[str, property], state: RootS
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
-def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> nn.Parameter:
+def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> DTensor:
     world_size, rank = mesh.size(), mesh.get_local_rank()
     start, end = shard_range(full.shape[0], world_size, rank)
     local = full.detach()[start:end].clone()
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-    return nn.Parameter(dt, requires_grad=requires_grad)
+    return param_writes.shard_parameter(dt, requires_grad)
 
 
 def shard_parameters(
@@ -409,7 +404,7 @@ def shard_parameters(
     index = {spec.fqn: i for i, spec in enumerate(specs.values())}
     sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
     shards = LocalShards(list(owners.values()))
-    state = RootState(shards, sequencer, sequenced, tuple(infos), mesh.get_local_rank(), device, fqns)
+    state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}
         _swap_class(mod, props, state, root=mod is model)

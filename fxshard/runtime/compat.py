@@ -49,6 +49,9 @@ __all__ = [
     "is_higher_order_op",
     "disable_torch_function_subclass",
     "local_tensor",
+    "tensor_data",
+    "dtensor_spec",
+    "mark_parameter",
     "replace_local_tensor",
     "resolve_group",
     "aot_autograd",
@@ -320,6 +323,23 @@ def disable_torch_function_subclass() -> Any:
     """Run torch functions on a tensor subclass as on a plain tensor (what
     ``Tensor.__torch_function__`` does around each call)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def tensor_data(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.data``, read past a subclass's own ``data`` property."""
+    return torch._C.TensorBase.data.__get__(tensor)
+
+
+def dtensor_spec(dtensor: Any) -> Any:
+    """A DTensor's spec (mesh, placements, global shape), to build another DTensor of it."""
+    return dtensor._spec
+
+
+def mark_parameter(tensor: torch.Tensor) -> None:
+    """Make a tensor subclass instance a parameter to torch, as
+    ``nn.Parameter`` does for a subclass whose ``detach`` keeps its type:
+    ``isinstance(tensor, nn.Parameter)`` then holds."""
+    tensor._is_param = True
 
 
 def local_tensor(dtensor: Any) -> torch.Tensor:
