@@ -46,6 +46,11 @@ def _inputs(step: int, rank: int, world_size: int) -> torch.Tensor:
     return full[rank * per : (rank + 1) * per]
 
 
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL (tests/test_gpu.py), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)  # eps: see tests/parity.py
 
@@ -54,7 +59,7 @@ def _llama_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
     rank, ws = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in steps:
-        tokens = _tokens(step, rank, ws)
+        tokens = _tokens(step, rank, ws).to(_device())
         loss = lm_loss(model(tokens), tokens)
         loss.backward()
         opt.step()
@@ -68,23 +73,23 @@ def _uneven_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) ->
     rank, ws = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in steps:
-        loss = model(_inputs(step, rank, ws)).pow(2).mean()
+        loss = model(_inputs(step, rank, ws).to(_device())).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append(mean / ws)
+        losses.append(mean.cpu() / ws)
     return losses
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()).cpu() for k, v in model.state_dict().items()}
 
 
 def _full_optim(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: {k: v.full_tensor() if isinstance(v, DTensor) else v.clone() for k, v in s.items()}
+    return {names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()).cpu() for k, v in s.items()}
             for p, s in opt.state.items()}  # fmt: skip
 
 
@@ -95,7 +100,7 @@ def _close(actual, expected, what: str, exact: bool = False) -> None:
 
 def _compiled(make: type | object, seed: int, backend: str = "aot_eager") -> nn.Module:
     torch.manual_seed(seed)
-    return fxshard.compile(make(), backend=backend)
+    return fxshard.compile(make().to(_device()), backend=backend)
 
 
 def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
@@ -126,7 +131,8 @@ def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
     untrained.load_state_dict(torch.load(before, weights_only=False))
     torch.manual_seed(0)
     for name, value in models.TinyLlama().state_dict().items():
-        _close(untrained.state_dict()[name].full_tensor(), value, f"{name} saved before the first call", exact=True)
+        _close(untrained.state_dict()[name].full_tensor().cpu(), value, f"{name} saved before the first call",
+               exact=True)
     return {"trained": fresh, "untrained": untrained}
 
 
@@ -143,7 +149,8 @@ def full_state_dict_loads_into_shards(rank: int, world_size: int, model: nn.Modu
 
     model.load_state_dict(full)
     for name, value in full.items():
-        _close(model.state_dict()[name].full_tensor(), value, f"{name} loaded from a full state dict", exact=True)
+        _close(model.state_dict()[name].full_tensor().cpu(), value, f"{name} loaded from a full state dict",
+               exact=True)
     assert {n: p.to_local().data_ptr() for n, p in model.named_parameters()} == locals_before, "shards replaced"
     assert [id(p) for p in opt.param_groups[0]["params"]] == params_before
     units = model.fxshard_plan.units
@@ -159,9 +166,9 @@ def full_state_dict_loads_into_shards(rank: int, world_size: int, model: nn.Modu
     assert isinstance(full["norm.weight"], torch.Tensor) and not isinstance(full["norm.weight"], DTensor)
 
     # Training goes on from the loaded weights as the plain model's would.
-    ref = models.TinyLlama()
+    ref = models.TinyLlama().to(_device())
     ref.load_state_dict(full)
-    tokens = _tokens(7, rank, world_size)
+    tokens = _tokens(7, rank, world_size).to(_device())
     _close(model(tokens), ref(tokens), "logits after loading")
 
 

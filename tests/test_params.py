@@ -12,23 +12,32 @@ import torch.nn as nn
 
 import fxshard
 from examples.llama import RMSNorm, lm_loss, rope_tables
+import torch.distributed as dist
+
 from tests import models
 from tests.distributed import check_results, run_ranks
 
 
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL (tests/test_gpu.py), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _mlp() -> nn.Sequential:
     # Rows 5 and 3 shard unevenly at 2 and 3 ranks (rank 2 of 3 holds 1 row of 3).
-    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).to(_device())
 
 
 def _same(model: nn.Module, ref: nn.Module | list[torch.Tensor], what: str) -> None:
     expected = ref.parameters() if isinstance(ref, nn.Module) else ref
     for (name, p), q in zip(model.named_parameters(), expected):
-        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), atol=0, rtol=0, msg=f"{what}: {name}")
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach().to(p.device), atol=0, rtol=0,
+                                   msg=f"{what}: {name}")
 
 
 def _writes(model: nn.Module, seed: int) -> None:
     """Writes a user makes to ``module.weight``, each a different path."""
+    device = _device()
     torch.manual_seed(seed)
     nn.init.trunc_normal_(model[0].weight, std=0.5)  # several in-place ops
     nn.init.zeros_(model[0].bias)
@@ -36,20 +45,20 @@ def _writes(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         model[2].weight[1] = 7.0  # __setitem__
         model[2].weight.data[0, 1:3].fill_(-2.0)  # a view of .data
-        model[2].bias.copy_(torch.arange(3.0))
-    model[0].bias.data = torch.linspace(0, 1, 5)  # .data = a full value
+        model[2].bias.copy_(torch.arange(3.0, device=device))
+    model[0].bias.data = torch.linspace(0, 1, 5, device=device)  # .data = a full value
 
 
 def _shard_writes(model: nn.Module, ref: nn.Module, seed: int) -> None:
     """Writes through the shards (``model.parameters()``), and the same writes
     to the unsharded reference."""
     shards = dict(model.named_parameters())
-    full = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+    full = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)).to(_device())
     shards["0.weight"].data = full  # a DTensor drops this; a ShardParameter keeps its rows
     ref[0].weight.data = full.clone()
     with torch.no_grad():
-        shards["2.bias"].copy_(torch.tensor([1.0, 2.0, 3.0]) * seed)
-        ref[2].bias.copy_(torch.tensor([1.0, 2.0, 3.0]) * seed)
+        shards["2.bias"].copy_(torch.tensor([1.0, 2.0, 3.0], device=full.device) * seed)
+        ref[2].bias.copy_(torch.tensor([1.0, 2.0, 3.0], device=full.device) * seed)
         shards["2.weight"].mul_(2)
         ref[2].weight.mul_(2)
     with pytest.raises(ValueError, match="full shape"):
@@ -65,7 +74,7 @@ def writes_check(rank: int, world_size: int) -> dict:
     _writes(ref, seed=1)
     _shard_writes(model, ref, seed=1)
     _same(model, ref, "before the first call")
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
     torch.testing.assert_close(model(x), ref(x))
     model(x).sum().backward()  # the first call moves the shards into units' flat buffers
     _writes(model, seed=3)
@@ -80,7 +89,7 @@ def optimizer_before_compile_check(rank: int, world_size: int) -> dict:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters())
     fxshard.compile(model, backend="aot_eager")
-    model(torch.randn(2, 4)).sum().backward()
+    model(torch.randn(2, 4, device=_device())).sum().backward()
     with pytest.raises(ValueError, match=r"'0.weight' as it was before fxshard.compile.*after compiling"):
         opt.step()
     torch.optim.AdamW(model.parameters()).step()  # one built after compile steps
@@ -91,7 +100,7 @@ def conversions_check(rank: int, world_size: int) -> dict:
     model = fxshard.compile(_mlp(), backend="aot_eager")
     before = [p.detach().full_tensor() for p in model.parameters()]
     params = list(model.parameters())
-    assert model.float() is model and model.to("cpu") is model  # no change: nothing to do
+    assert model.float() is model and model.to(_device()) is model  # no change: nothing to do
     assert all(p is q for p, q in zip(model.parameters(), params))
     with pytest.raises(ValueError, match=r"'0.weight' is a torch.float32 shard.*before fxshard.compile"):
         model.half()
@@ -112,10 +121,11 @@ def init_weights(model: nn.Module) -> None:
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
     cfg = model.cfg
-    model.rope_cos, model.rope_sin = rope_tables(cfg.dim // cfg.heads, cfg.max_len)
+    cos, sin = rope_tables(cfg.dim // cfg.heads, cfg.max_len)
+    model.rope_cos, model.rope_sin = cos.to(_device()), sin.to(_device())
 
 
-def _meta_llama(device: str) -> nn.Module:
+def _meta_llama() -> nn.Module:
     with torch.device("meta"):
         return models.TinyLlama()
 
@@ -123,17 +133,17 @@ def _meta_llama(device: str) -> nn.Module:
 def meta_init_check(rank: int, world_size: int, train: bool) -> dict:
     """Meta model, compile, ``to_empty``, the model's own init: the same full
     weights as the unsharded model's init with the same seed, at any world size."""
-    ref = _meta_llama("cpu").to_empty(device="cpu")
+    ref = _meta_llama().to_empty(device=_device())
     ref.output.weight = ref.embed.weight  # torch's to_empty unties them; fxshard keeps the one shard
     torch.manual_seed(0)
     init_weights(ref)
-    model = fxshard.compile(_meta_llama("cpu"), backend="aot_eager")
+    model = fxshard.compile(_meta_llama(), backend="aot_eager")
     shards = list(model.parameters())
     assert all(p.to_local().is_meta for p in shards)
     with pytest.raises(ValueError, match="meta device.*to_empty"):
-        model(torch.zeros(1, 3, dtype=torch.long))
+        model(torch.zeros(1, 3, dtype=torch.long, device=_device()))
     early = torch.optim.AdamW(model.parameters())
-    model.to_empty(device="cpu")
+    model.to_empty(device=_device())
     torch.manual_seed(0)
     init_weights(model)
     assert len(list(model.parameters())) == len(shards)
@@ -149,7 +159,7 @@ def meta_init_check(rank: int, world_size: int, train: bool) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         for step in range(2):
-            tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r))
+            tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r)).to(_device())
                       for r in range(world_size)]  # fmt: skip
             loss = lm_loss(model(tokens[rank]), tokens[rank])
             loss.backward()
