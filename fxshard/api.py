@@ -6,6 +6,7 @@ any collective runs. Below this module nothing sees an option name.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -20,8 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from fxshard import checkpoint
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
+from fxshard.checks import check_same_model
 from fxshard.policy import MixedPrecision
-from fxshard.runtime import compat
+from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.units import Units
 from fxshard.sharding import FXShardModule, ParamShard, RootState, shard_parameters
 
@@ -53,6 +55,12 @@ class ShardPlan:
         """Whether reads go through the sequencer (see [Note: two ways to read]);
         decided by the first call."""
         return self.root.sequenced
+
+    @property
+    def graph_break_reason(self) -> str | None:
+        """Why reads are sequenced: what dynamo said of the first graph break.
+        None while the model runs as one graph."""
+        return self.root.graph_break_reason
 
 
 def _check_model(model: nn.Module) -> None:
@@ -205,6 +213,40 @@ def _count_group(mesh: DeviceMesh) -> str:
     return _side_group(group, "count", backend="gloo").group_name
 
 
+def _allow_graph_breaks(model: nn.Module, backend: FXShardBackend, error: BaseException) -> None:
+    backend.graph_break_reason = compat.graph_break_reason(error)  # for the summaries of the graphs to come
+    model.compile(backend=backend, fullgraph=False)
+
+
+# Compiles so far per mesh group: every rank compiles the same models in the
+# same order, so the count names a model's keys in the store alike on every rank.
+_COMPILES: dict[str, int] = {}
+
+
+def _graph_agreement(mesh: DeviceMesh) -> rank_checks.GraphAgreement | None:
+    """What compares each graph's collectives across ranks before it first
+    runs (see [Note: ranks agree on each graph]); None where there is
+    nothing to compare (one rank, the fake group)."""
+    group_name = mesh.get_group().group_name
+    if mesh.size() == 1 or compat.group_backend(group_name) == "fake":
+        return None
+    n = _COMPILES[group_name] = _COMPILES.get(group_name, -1) + 1
+    return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/graphs/{group_name}/{n}",
+                                      mesh.get_local_rank(), mesh.size())  # fmt: skip
+
+
+def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
+    """FXSHARD_CHECK_COLLECTIVES=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL: every
+    collective fxshard issues from Python is compared across ranks first, on
+    a gloo group (see [Note: checked collectives])."""
+    group = mesh.get_group()
+    if not rank_checks.check_collectives_enabled() or mesh.size() == 1 or compat.group_backend(group.group_name) == "fake":
+        return
+    log.warning("fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging")
+    check_group = _side_group(group, "check", backend="gloo")
+    rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
+
+
 PLAN = "_fxshard_plan"  # the ShardPlan, in the root's instance __dict__
 
 
@@ -222,6 +264,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     compile_blocks_once: bool = True,
     reduces_in_flight: int = 1,
     debug_dir: str | os.PathLike | None = None,
+    check_same_init: bool = True,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
 
@@ -263,6 +306,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       only this many reduce inputs (a unit's gradients in ``reduce_dtype``,
       about 0.9 GiB per layer of an 8B Llama in fp32) are alive at once.
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
+    - ``check_same_init``: compare a checksum of every parameter across ranks
+      first (one all-gather) and raise if any differs: ranks must start from
+      the same weights. False skips it (the parameter lists are compared
+      either way; see ``fxshard/checks.py``).
     """
     _check_model(model)
     if backend not in BACKENDS:
@@ -284,13 +331,17 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"sharded_embeddings must be True or False, got {sharded_embeddings!r}")
     if not isinstance(compile_blocks_once, bool):
         raise ValueError(f"compile_blocks_once must be True or False, got {compile_blocks_once!r}")
+    if not isinstance(check_same_init, bool):
+        raise ValueError(f"check_same_init must be True or False, got {check_same_init!r}")
     if backend == "inductor":
         compat.env_inductor_config()  # a bad FXSHARD_INDUCTOR_CONFIG fails here, not inside dynamo
     explicit = _explicit_units(model, units)
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
+    check_same_model(model, mesh, values=check_same_init)
 
     reduce_group_name = _reduce_group(mesh)
+    _check_collectives(mesh, reduce_group_name)
     params, state = shard_parameters(model, mesh, _mesh_device(mesh), mp_policy, sequenced=backend == "eager",
                                      reduce_group_name=reduce_group_name)  # fmt: skip
     graphs: list[GraphRecord] = []
@@ -304,11 +355,11 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
             unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
                               reduce_group_name, explicit)  # fmt: skip
             state.after_first_call = unit_plan.rehome
-        compiled = FXShardBackend(spec, unit_plan)
+        compiled = FXShardBackend(spec, unit_plan, _graph_agreement(mesh))
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
-        state.on_graph_break = lambda error: model.compile(backend=compiled, fullgraph=False)
+        state.on_graph_break = functools.partial(_allow_graph_breaks, model, compiled)
     plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state, unit_plan)
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan

@@ -239,6 +239,7 @@ class RootState:
         # id of a shard on the meta device -> (it, the shard that replaced it)
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
+        self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
         # Set by fxshard.compile: recompile allowing graph breaks; called once.
         self.on_graph_break: Callable[[BaseException], None] | None = None
         # Set by fxshard.compile: called once, after the first call ran as one graph.
@@ -280,32 +281,66 @@ class RootState:
         return None
 
     def call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        # Logging and prints in the forward are not graph breaks for fxshard's
+        # compiles (see compat.debug_calls_in_traces).
+        with compat.debug_calls_in_traces():
+            return self._call(module, base, args, kwargs)
+
+    def _sequenced_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        with self.sequencer.call() as (anchor, frozen), self.shards.anchors(anchor, frozen):
+            return base.__call__(module, *args, **kwargs)
+
+    def _call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         if self.sequenced:
-            with self.sequencer.call() as (anchor, frozen), self.shards.anchors(anchor, frozen):
-                return base.__call__(module, *args, **kwargs)
+            return self._sequenced_call(module, base, args, kwargs)
         try:
             with self.shards.scope():
                 out = base.__call__(module, *args, **kwargs)
         except Exception as error:
-            if not compat.is_graph_break(error):
-                raise
-            if self.calls or self.on_graph_break is None:
-                raise NotImplementedError(
-                    "fxshard: a graph break appeared after the first call (a recompile for new input shapes or "
-                    "modes). fxshard chooses how to gather on the first call, the same on every rank, and cannot "
-                    "switch later. Make the first call representative (same mode and code path), or remove the "
-                    f"graph break. Dynamo said: {compat.graph_break_reason(error)}"
-                ) from error
-            log.warning("fxshard: the forward has graph breaks; reads go through the sequencer "
-                        "(no reshard, reduces at the end of backward). Dynamo said: %s",
-                        compat.graph_break_reason(error))  # fmt: skip
-            self.on_graph_break(error)
-            self.sequenced = True
-            return self.call(module, base, args, kwargs)
-        if self.calls == 0 and self.after_first_call is not None:
-            self.after_first_call()
-        self.calls += 1
-        return out
+            if not compat.is_user_error(error):
+                return self._on_graph_break(error, module, base, args, kwargs)
+            failed = error
+        else:
+            if self.calls == 0 and self.after_first_call is not None:
+                self.after_first_call()
+            self.calls += 1
+            return out
+        # Outside the except block, so that the user's exception is not
+        # chained to dynamo's.
+        self._raise_eagerly(failed, module, base, args, kwargs)
+
+    def _on_graph_break(self, error: Exception, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        if not compat.is_graph_break(error):
+            raise error
+        reason = compat.graph_break_reason(error)
+        if self.calls or self.on_graph_break is None:
+            raise NotImplementedError(
+                "fxshard: a graph break appeared after the first call (a recompile for new input shapes or "
+                "modes). fxshard chooses how to gather on the first call, the same on every rank, and cannot "
+                "switch later. Make the first call representative (same mode and code path), or remove the "
+                f"graph break. Dynamo said: {reason}"
+            ) from error
+        log.warning("fxshard: the forward has graph breaks; reads go through the sequencer "
+                    "(no reshard, reduces at the end of backward). Dynamo said: %s", reason)  # fmt: skip
+        self.graph_break_reason = reason
+        self.on_graph_break(error)
+        self.sequenced = True
+        return self._call(module, base, args, kwargs)
+
+    def _raise_eagerly(self, failed: Exception, module: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
+        """Raise what the user's forward raises, as it raises it. Dynamo
+        reports an exception of the traced code as its own error (``failed``),
+        so the call runs again uncompiled, reading through the sequencer: the
+        same collectives on every rank, whatever the code reads before it
+        raises. Should it not raise, dynamo's error stands."""
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                self._sequenced_call(module, base, args, kwargs)
+        except Exception as error:
+            error.add_note(f"fxshard: raised by the model's forward, run uncompiled after dynamo stopped at it "
+                           f"({compat.graph_break_reason(failed)})")  # fmt: skip
+            raise
+        raise failed
 
 
 def _root_forward(self, *args, **kwargs):

@@ -107,7 +107,8 @@ class Uneven(nn.Module):
 
 
 class GraphBreaks(nn.Module):
-    """A print and a data-dependent branch split the forward into graphs."""
+    """A data-dependent branch splits the forward into graphs (the print in
+    front of it does not)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -116,7 +117,7 @@ class GraphBreaks(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.first(x))
-        print("", end="")  # a graph break
+        print("", end="")  # reordered after the graph by fxshard's compiles, not a break
         if h.sum() > 4:  # data-dependent: may differ between ranks; reads no parameter
             h = h * 2
         else:

@@ -67,6 +67,7 @@ def test_parameters_already_dtensors(fake_pg):
         (dict(compile_blocks_once="yes"), "compile_blocks_once must be True or False"),
         (dict(reduces_in_flight=0), "reduces_in_flight must be an int >= 1"),
         (dict(reduces_in_flight=True), "reduces_in_flight must be an int >= 1"),
+        (dict(check_same_init="no"), "check_same_init must be True or False"),
     ],
 )
 def test_bad_options(fake_pg, kwargs, match):

@@ -49,8 +49,10 @@ from fxshard.passes.outline import (
 from fxshard.passes.report import GraphReport, graph_report
 from fxshard.passes.runner import GraphPass, run_passes
 from fxshard.passes.schedule import Schedule, schedule_collectives_pass
+from fxshard.passes.signature import collective_lines
 from fxshard.passes.tagging import tag_unshard_pass
 from fxshard.runtime import compat
+from fxshard.runtime.rank_checks import GraphAgreement
 from fxshard.runtime.units import Units
 
 log = logging.getLogger("fxshard")
@@ -100,9 +102,13 @@ class GraphRecord:
     outline: OutlineRecord = field(default_factory=OutlineRecord)
     full_weights_in_forward: dict[str, str] = field(default_factory=dict)  # forward node -> parameter
     saved_full_weights: tuple[str, ...] | None = None  # parameters; known once the backward is compiled
+    collectives: tuple[str, ...] = ()  # the signature ranks agree on (see [Note: ranks agree on each graph])
+    graph_break_reason: str | None = None  # why reads are sequenced, where they are
 
     def summary(self) -> str:
         parts = [f"graph {self.index}"]
+        if self.graph_break_reason:
+            parts.append(f"sequenced reads: the forward has graph breaks. Dynamo said: {self.graph_break_reason}\n")
         if self.units:
             parts.append(self.units)
         if self.sharded_lookups:
@@ -153,8 +159,10 @@ class _JointTagPass(compat.CustomGraphPass):
 class FXShardBackend:
     """A dynamo backend: ``backend(gm, example_inputs) -> callable``."""
 
-    def __init__(self, spec: BackendSpec, units: Units | None = None) -> None:
+    def __init__(self, spec: BackendSpec, units: Units | None = None, agreement: GraphAgreement | None = None) -> None:
         self.spec = spec
+        self.agreement = agreement  # None: graphs run unchecked (one rank, a fake group)
+        self.graph_break_reason: str | None = None  # set when reads go sequenced
         # Weak: torch keeps compiled functions, and through them their
         # backend, after the model is gone (in the frame's globals until its
         # cache entry dies); the model's plan holds the units.
@@ -173,8 +181,14 @@ class FXShardBackend:
         return units
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        record = GraphRecord(index=len(self.graphs))
+        record = GraphRecord(index=len(self.graphs), graph_break_reason=self.graph_break_reason)
         self.graphs.append(record)
+        compiled = self._compile(record, gm, example_inputs)
+        if self.agreement is None or not record.collectives:
+            return compiled
+        return _agree_first(compiled, self.agreement, f"graph {record.index}", record.collectives)
+
+    def _compile(self, record: GraphRecord, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         dumper = None
         if self.spec.debug_dir:
             dumper = Dumper(Path(self.spec.debug_dir) / f"rank{self.spec.rank}" / f"graph{record.index}")
@@ -192,6 +206,8 @@ class FXShardBackend:
             first_use = [op_arguments(n)["param"] for n in record.captured.graph.nodes if is_unshard(n)]
             self.units.assign(first_use, self.spec.unit_bytes, blocks=record.outline.weights)
             record.units = format_units(self.units)
+        units = [u.names for u in self.units.units] if self.units is not None else []
+        record.collectives = collective_lines(record.captured, units)
         compile_graph = functools.partial(self._compile_graph, record, dumper)
         if self.spec.compiler == "inductor":
             patches = compat.inductor_config_patches(_JointTagPass(self, dumper))
@@ -261,6 +277,22 @@ class FXShardBackend:
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             saved = {record.full_weights_in_forward[n]: None for n in inputs if n in record.full_weights_in_forward}
             record.saved_full_weights = tuple(saved)
+
+
+def _agree_first(compiled: Any, agreement: GraphAgreement, graph: str, lines: tuple[str, ...]) -> Any:
+    """``compiled``, checking on its first call that every rank runs the same
+    collectives (see [Note: ranks agree on each graph]). Dynamo calls what a
+    backend returns before the graph runs, with the graph's inputs."""
+    agreed = False
+
+    def run(*args: Any) -> Any:
+        nonlocal agreed
+        if not agreed:
+            agreement.check(graph, lines)
+            agreed = True
+        return compiled(*args)
+
+    return run
 
 
 def format_units(units: Units) -> str:

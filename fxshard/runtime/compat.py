@@ -8,9 +8,10 @@ the one file to change.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -62,7 +63,10 @@ __all__ = [
     "env_inductor_config",
     "inductor_decompositions",
     "is_graph_break",
+    "is_user_error",
     "graph_break_reason",
+    "debug_calls_in_traces",
+    "default_store",
     "is_checkpoint_region",
     "make_boxed_func",
     "make_fx",
@@ -76,6 +80,8 @@ __all__ = [
 # construct, or Python control flow on tensor data (``.tolist()``, ``if x:``).
 # Under fullgraph=False dynamo turns each of these into a graph break.
 from torch._dynamo.exc import BackendCompilerFailed as _BackendCompilerFailed  # noqa: E402
+from torch._dynamo.exc import ObservedException as _ObservedException  # noqa: E402
+from torch._dynamo.exc import TorchRuntimeError as _TorchRuntimeError  # noqa: E402
 from torch._dynamo.exc import Unsupported as _Unsupported, UserError as _UserError  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
 from torch._subclasses.fake_tensor import (  # noqa: E402
@@ -87,16 +93,89 @@ _GRAPH_BREAKS = (_Unsupported, _UserError, _DataDependent)
 # What the backend (AOTAutograd tracing with fake tensors) raises on an op
 # whose output depends on data; dynamo's fullgraph=False turns these into breaks.
 _BACKEND_BREAKS = (_UserError, _DataDependent, _DataDependentOutput, _DynamicOutputShape)
+# Dynamo's names (``gb_type``, the first words of the message) for an
+# ``assert`` it proved to fail while tracing: the code raises AssertionError.
+_FAILED_ASSERTS = ("Data-dependent assertion failed", "Assertion failed on symbolic shapes")
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error``, raised by a fullgraph=True compile, says that the
+    user's code itself raises for these inputs: an exception that escapes the
+    traced frame (dynamo reports it as ``Unsupported``, "Observed exception"),
+    an ``assert`` proved false, or an op that fails on fake tensors (a shape
+    error). These are not graph breaks: run eagerly, the code raises too."""
+    if isinstance(error, _TorchRuntimeError):
+        return True
+    if not isinstance(error, _Unsupported):
+        return False
+    if isinstance(error.__cause__, _ObservedException):
+        return True
+    kind = getattr(error, "gb_type", None) or str(error)
+    return kind.startswith(_FAILED_ASSERTS)
 
 
 def is_graph_break(error: BaseException) -> bool:
     """Whether ``error``, raised by a fullgraph=True compile, is a graph break:
     dynamo's own, or a data-dependent op that AOTAutograd met while tracing
-    (a custom op whose backward calls ``.tolist()``, say)."""
+    (a custom op whose backward calls ``.tolist()``, say). An exception of the
+    user's code (``is_user_error``) is not one, though dynamo raises it as
+    ``Unsupported`` too."""
+    if is_user_error(error):
+        return False
     if isinstance(error, _BackendCompilerFailed):
         error = getattr(error, "inner_exception", None) or error.__cause__
         return isinstance(error, _BACKEND_BREAKS)
     return isinstance(error, _GRAPH_BREAKS)
+
+
+@functools.cache
+def _dynamo_debug_keys() -> tuple[str | None, str | None]:
+    """The dynamo config keys that make logging calls no-ops and prints
+    reorderable, where this torch has them (``ignore_logger_methods`` was
+    renamed ``ignore_logging_functions``)."""
+    from torch._dynamo import config
+
+    options = config.get_config_copy()
+    ignore = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if k in options), None)
+    reorder = "reorderable_logging_functions" if "reorderable_logging_functions" in options else None
+    return ignore, reorder
+
+
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once")  # *_once: transformers'
+
+
+@contextlib.contextmanager
+def debug_calls_in_traces() -> Iterator[None]:
+    """While dynamo traces inside this scope, logging calls are dropped from
+    the graph (``logging.Logger.warning``, transformers' ``warning_once``)
+    and ``print`` / ``warnings.warn`` run after it, instead of each being a
+    graph break. Set for fxshard's calls only and restored after, as the
+    Inductor options are (see ``inductor_config_patches``). Transformers adds
+    ``warning_once`` when imported, so the methods are looked up per call."""
+    import logging
+    import warnings
+
+    from torch._dynamo import config
+
+    ignore, reorder = _dynamo_debug_keys()
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
+    extra = [(ignore, methods), (reorder, {print, warnings.warn})]
+    saved = [(key, getattr(config, key)) for key, _ in extra if key is not None]
+    for key, add in extra:
+        if key is not None:
+            setattr(config, key, set(getattr(config, key)) | add)
+    try:
+        yield
+    finally:
+        for key, value in saved:
+            setattr(config, key, value)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (every rank reaches it)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def graph_break_reason(error: BaseException) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fxshard.runtime.collectives import gather_full, reduce_to_shard
+from fxshard.runtime.rank_checks import check_collective
 
 
 def _no_alias(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,8 @@ def unshard(
     """All-gather ``shard`` into the full parameter ``param`` (see the Note).
     The gradient is reduced on ``reduce_group_name``: the same ranks as
     ``group_name``, another communicator, so that reduces overlap gathers."""
+    if world_size > 1:
+        check_collective(group_name, lambda: f"all-gather of {param!r} ({dim0} rows) in {dtype or shard.dtype}")
     return _no_alias(gather_full(shard, dim0, world_size, group_name, dtype), shard)
 
 
@@ -56,6 +59,8 @@ def reduce_grad(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Reduce-scatter the full gradient of ``param`` to this rank's rows, averaged."""
+    if world_size > 1:
+        check_collective(group_name, lambda: f"reduce-scatter of the gradient of {param!r} {tuple(grad.shape)}")
     return _no_alias(reduce_to_shard(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype), grad)
 
 

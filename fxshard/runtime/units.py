@@ -82,6 +82,7 @@ import torch
 
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import chunk_rows
+from fxshard.runtime.rank_checks import check_collective
 
 log = logging.getLogger("fxshard")
 
@@ -314,6 +315,7 @@ class Units:
         key = ("gather", unit)
         if key in self._pending:  # one gather per unit per graph (bucket_collectives)
             raise RuntimeError(f"fxshard: unit {unit} gathered again before its previous gather's wait")
+        check_collective(self.group_name, lambda: f"all-gather of unit {unit} ({', '.join(u.names)})")
         group = self._group(self.group_name)
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
         sources = u.shard_slots()  # copies until ``rehome``: kept until the wait (see below)
@@ -367,6 +369,8 @@ class Units:
         key = ("reduce", unit, tuple(members))
         if key in self._pending:
             raise RuntimeError(f"fxshard: unit {unit} reduced again before its previous reduce's wait")
+        check_collective(self.reduce_group_name, lambda: f"reduce-scatter of unit {unit}'s gradients "
+                         f"({', '.join(self.units[unit].members[j].info.fqn for j in members)})")  # fmt: skip
         out = torch.empty(numel, dtype=dtype, device=self.units[unit].device)
         work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name),
                                            average=self._on_nccl(self.reduce_group_name))  # fmt: skip

@@ -1,0 +1,126 @@
+"""Checks at ``fxshard.compile`` that every rank starts from the same model.
+
+Each rank shards its own copy of the model and nothing is broadcast (see
+``shard_parameters``), so ranks that built different models, or the same
+model with different initial values, would train on a mix of them without
+any error. Two small all-gathers over the mesh's group rule that out before
+anything is sharded:
+
+1. every rank's parameter list (names, shapes, dtypes, ``requires_grad``),
+   as a count and a hash: ranks whose lists differ would issue different
+   collectives in every graph;
+2. one checksum per parameter, of its full local values (skipped with
+   ``check_same_init=False``). The checksum is exact: the sum, modulo 2**64,
+   of each element's bits times a weight that depends on its position, so it
+   does not depend on the order of the summation (or the device) and a
+   permutation changes it.
+
+On a mismatch every rank raises the same ``ValueError``, naming the first
+parameter that differs. Parameters on the meta device have no values and
+are left out of the checksums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fxshard.runtime import compat
+
+_CHUNK = 1 << 22  # elements per step of a checksum: bounds its temporary memory
+_WEIGHT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as int64: position weights that wrap differently per element
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _distinct(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Each parameter once (tied ones under their first name), in the order
+    ``shard_parameters`` gives them."""
+    seen: set[int] = set()
+    out = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append((name, param))
+    return out
+
+
+def checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of ``tensor``'s exact values (see the module docstring);
+    0 for a tensor on the meta device."""
+    if tensor.device.type == "meta":
+        return torch.zeros((), dtype=torch.int64)
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.view(_BITS[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        position = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=flat.device)
+        total += (chunk * (position * _WEIGHT + 1)).sum()
+    return total
+
+
+def _layout(params: list[tuple[str, nn.Parameter]]) -> list[str]:
+    return [f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} requires_grad={p.requires_grad}"
+            for name, p in params]  # fmt: skip
+
+
+def _hash64(lines: list[str]) -> int:
+    return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little", signed=True)
+
+
+def _all_gather(values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's ``values``, one row per rank (on the host)."""
+    device = torch.device(mesh.device_type)
+    if mesh.device_type != "cpu" and torch.accelerator.is_available():
+        device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    values = values.to(device)
+    rows = [torch.empty_like(values) for _ in range(mesh.size())]
+    dist.all_gather(rows, values, group=mesh.get_group())
+    return torch.stack(rows).cpu()
+
+
+def _first_difference(layouts: list[list[str]]) -> str:
+    mine = layouts[0]
+    for rank, other in enumerate(layouts[1:], start=1):
+        for i in range(max(len(mine), len(other))):
+            a = mine[i] if i < len(mine) else "(none)"
+            b = other[i] if i < len(other) else "(none)"
+            if a != b:
+                return f"parameter {i}: rank 0 has {a}, rank {rank} has {b}"
+    return "the parameter lists differ"
+
+
+def check_same_model(model: nn.Module, mesh: DeviceMesh, values: bool) -> None:
+    """Raise ``ValueError`` on every rank unless every rank of ``mesh`` holds
+    the same parameters and, with ``values``, the same initial values."""
+    if mesh.size() == 1 or compat.group_backend(mesh.get_group().group_name) == "fake":
+        return  # the fake group moves no data: nothing to compare
+    params = _distinct(model)
+    layout = _layout(params)
+    heads = _all_gather(torch.tensor([len(layout), _hash64(layout)], dtype=torch.int64), mesh)
+    if not bool((heads == heads[0]).all()):
+        layouts: list = [None] * mesh.size()
+        dist.all_gather_object(layouts, layout, group=mesh.get_group())
+        raise ValueError(
+            f"fxshard.compile: the ranks hold different models ({_first_difference(layouts)}); every rank must "
+            "build the same model (same architecture and configuration) before fxshard.compile"
+        )
+    if not values or not params:
+        return
+    sums = _all_gather(torch.stack([checksum(p) for _, p in params]).cpu(), mesh)
+    differs = (sums != sums[0]).any(0)
+    if bool(differs.any()):
+        i = int(differs.nonzero()[0])
+        ranks = [r for r in range(mesh.size()) if sums[r, i] != sums[0, i]]
+        raise ValueError(
+            f"fxshard.compile: parameter {params[i][0]!r} holds different initial values on rank 0 and rank(s) "
+            f"{ranks}; fxshard keeps each rank's own rows and broadcasts nothing. Seed every rank identically "
+            "(torch.manual_seed(0)) before building the model, or load the same checkpoint on every rank, "
+            "before fxshard.compile; check_same_init=False skips this check"
+        )

@@ -1,0 +1,211 @@
+"""Ranks that disagree fail loudly, and errors reach the user as raised.
+
+- compile compares the ranks' parameter lists and initial values;
+- before a graph first runs, the ranks compare its collectives (a branch on
+  input shapes that ranks take differently raises on every rank);
+- FXSHARD_CHECK_COLLECTIVES=1 compares each collective (a parameter read on
+  one rank only);
+- an exception of the user's forward reaches the user as raised;
+- logging, warnings and prints in forward keep the model one graph (GPT-2).
+
+The gloo checks run together, one process per rank, at world size 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxshard
+from fxshard.runtime.rank_checks import RankMismatchError
+from tests import models, rank_check_models
+from tests.distributed import check_results, run_ranks
+
+
+
+def _raises_on_every_rank(fn, error_type, *matches: str) -> None:
+    try:
+        fn()
+    except error_type as error:
+        for m in matches:
+            assert m in str(error), f"expected {m!r} in: {error}"
+        return
+    raise AssertionError(f"expected {error_type.__name__}")
+
+
+def different_init(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)  # the mistake: a different start on each rank
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    _raises_on_every_rank(lambda: fxshard.compile(model, backend="aot_eager"), ValueError,
+                          "'0.weight'", "manual_seed")  # fmt: skip
+    assert type(model[0].weight) is nn.Parameter, "a rejected model must stay unsharded"
+    fxshard.compile(model, backend="aot_eager", check_same_init=False)  # the user's call
+
+
+def same_init_one_changed_value(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    if rank == 1:
+        with torch.no_grad():
+            model[1].bias[1] += 1e-7  # one ulp-scale difference in the last parameter
+    _raises_on_every_rank(lambda: fxshard.compile(model, backend="aot_eager"), ValueError, "'1.bias'")
+
+
+def different_architecture(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 2))
+    _raises_on_every_rank(lambda: fxshard.compile(model, backend="aot_eager", check_same_init=False), ValueError,
+                          "different models", "0.weight (4, 4)", "0.weight (5, 4)")  # fmt: skip
+
+
+def shape_branch_differs(rank: int, world_size: int) -> None:
+    """Rank 0's sequences take the branch that reads ``a``, rank 1's do not:
+    both raise before the first gather, naming ``a.weight``."""
+    torch.manual_seed(0)
+    model = fxshard.compile(rank_check_models.Branchy(), backend="aot_eager")
+    x = torch.randn(2, 12 if rank == 0 else 4, 6)
+    _raises_on_every_rank(lambda: model(x), RankMismatchError, "'a.weight'", "graph 0")
+    assert model.fxshard_plan.units.units[0].flat is None, "no graph may have run"
+
+
+def shape_branch_same(rank: int, world_size: int) -> None:
+    """Different shapes that take the same branch agree: training runs, and a
+    later recompile on one rank only (same collectives) does not wait."""
+    torch.manual_seed(0)
+    model = fxshard.compile(rank_check_models.Branchy(), backend="aot_eager")
+    for length in (12 + rank, 12 + rank, 10 if rank == 0 else 13):
+        model(torch.randn(2, length, 6)).sum().backward()
+    lines = {g.collectives for g in model.fxshard_plan.graphs}
+    assert len(lines) == 1 and any("'a.weight'" in line for line in next(iter(lines))), lines
+
+
+def gpt2_one_graph(rank: int, world_size: int) -> None:
+    """transformers logs a warning inside GPT-2's loss: one graph anyway, and
+    the same training as unsharded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.parity import Scenario, train_and_compare
+
+    def make() -> nn.Module:
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # parity: no dropout
+
+    def batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (2, 8), generator=gen)
+        return {"input_ids": ids, "labels": ids}
+
+    scenario = Scenario(make_model=make, make_batch=batch, loss=lambda out, b: out.loss,
+                        compile_kwargs=dict(backend="aot_eager"), steps=2, sequenced=False)  # fmt: skip
+    model = train_and_compare(rank, world_size, scenario)["model"]
+    assert model.fxshard_plan.graph_break_reason is None
+
+
+GLOO_CHECKS = {f.__name__: f for f in (different_init, same_init_one_changed_value, different_architecture,
+                                       shape_branch_differs, shape_branch_same, gpt2_one_graph)}  # fmt: skip
+
+
+def run_checks(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    for name in names:
+        print(f"[rank {rank}/{world_size}] {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            GLOO_CHECKS[name](rank, world_size)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        print(f"[rank {rank}/{world_size}] {name} {'passed' if results[name] is None else 'FAILED'} "
+              f"in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        torch._dynamo.reset()
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_run():
+    names = [n for n in GLOO_CHECKS if n != "gpt2_one_graph" or _has_transformers()]
+    results = run_ranks(2, run_checks, names, timeout=600)
+    check_results(results)
+    return results
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("check", list(GLOO_CHECKS))
+def test_ranks_that_disagree(gloo_run, check):
+    if check not in gloo_run[0]:
+        pytest.skip("needs transformers")
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(gloo_run) if res[check] is not None]
+    assert not failures, "\n".join(failures)
+
+
+def read_on_one_rank(rank: int, world_size: int) -> None:
+    """Rank 0 reads a weight outside forward, rank 1 does not: with the
+    debug check on, both raise before the mismatched collectives."""
+    os.environ["FXSHARD_CHECK_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+    model = fxshard.compile(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), backend="aot_eager")
+    model(torch.randn(3, 4)).sum().backward()
+
+    def next_step() -> None:
+        if rank == 0:
+            model[1].weight  # noqa: B018 - the read is a collective
+        model(torch.randn(3, 4)).sum().backward()
+
+    _raises_on_every_rank(next_step, RankMismatchError, "'1.weight'", "rank 0: all-gather of '1.weight'",
+                          "rank 1: all-gather of unit 0")  # fmt: skip
+
+
+def test_debug_check_names_a_read_on_one_rank():
+    check_results(run_ranks(2, read_on_one_rank, timeout=300))
+
+
+# Single process (a fake 4-rank group): how the first call reads, and errors.
+
+
+@pytest.mark.parametrize("first_call_ok", [True, False])
+def test_user_errors_propagate_as_raised(fake_pg, first_call_ok):
+    model = fxshard.compile(rank_check_models.Raises(), backend="aot_eager")
+    if first_call_ok:
+        model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(KeyError, match="boom"):
+        model(torch.randn(3, 4))
+    with pytest.raises(AssertionError, match="batch of 5"):
+        model(torch.randn(5, 4))
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied") as info:
+        model(torch.randn(2, 7))
+    assert type(info.value) is RuntimeError  # torch's own error, not dynamo's wrapper
+    model(torch.randn(2, 4)).sum().backward()  # errors do not change how the model reads
+    assert model.fxshard_plan.sequenced is False
+    assert model.fxshard_plan.graph_break_reason is None
+
+
+def test_logging_warnings_and_prints_keep_one_graph(fake_pg):
+    import torch._dynamo.config as dynamo_config
+
+    before = set(dynamo_config.reorderable_logging_functions)
+    model = fxshard.compile(rank_check_models.Chatty(), backend="aot_eager")
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.fxshard_plan.sequenced is False and len(model.fxshard_plan.graphs) == 1
+    assert set(dynamo_config.reorderable_logging_functions) == before, "dynamo's config is fxshard's only in its calls"
+
+
+def test_graph_break_reason_in_plan_and_summary(fake_pg, tmp_path):
+    model = fxshard.compile(models.GraphBreaks(), backend="aot_eager", debug_dir=tmp_path)
+    model(torch.randn(4, 6)).sum().backward()
+    plan = model.fxshard_plan
+    assert plan.sequenced and plan.graph_break_reason, plan.graph_break_reason
+    assert "Data-dependent" in plan.graph_break_reason or "data" in plan.graph_break_reason.lower()
+    summary = (tmp_path / "rank0" / "graph0" / "summary.txt").read_text()
+    assert "sequenced reads" in summary and plan.graph_break_reason in summary
