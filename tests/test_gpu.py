@@ -54,3 +54,26 @@ def test_nccl_parity(group, check):
     results = _group_results(group)
     failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check] is not None]
     assert not failures, "\n".join(failures)
+
+
+# Parameters and checkpoints on NCCL: the same checks as on gloo, on each rank's GPU.
+def test_nccl_writes_meta_init_and_conversions():
+    from tests.test_params import run_checks
+
+    names = ["writes", "optimizer_before_compile", "conversions", "meta_init_trains"]
+    check_results(run_ranks(2, run_checks, names, timeout=600, backend="nccl"))
+    check_results(run_ranks(1, run_checks, ["meta_init"], timeout=600, backend="nccl"))
+
+
+def test_nccl_checkpoint_round_trip(tmp_path):
+    """torch.save and resume, full state dicts, the full export, and DCP saved
+    at 2 GPUs and resumed at 1 under Inductor."""
+    from tests.test_checkpoint import dcp_resume, two_rank_checks
+
+    path = str(tmp_path)
+    results = run_ranks(2, two_rank_checks, path, timeout=600, backend="nccl")
+    check_results(results)
+    failures = [f"rank {r} {name}:\n{res[name]}" for r, res in enumerate(results)
+                for name in ("torch_save", "full_load", "full_export") if res[name] is not None]  # fmt: skip
+    assert not failures, "\n".join(failures)
+    check_results(run_ranks(1, dcp_resume, path, results[0]["dcp_saved"], "inductor", timeout=600, backend="nccl"))

@@ -71,7 +71,7 @@ def shape_branch_differs(rank: int, world_size: int) -> None:
     model = fxshard.compile(rank_check_models.Branchy(), backend="aot_eager")
     x = torch.randn(2, 12 if rank == 0 else 4, 6)
     _raises_on_every_rank(lambda: model(x), RankMismatchError, "'a.weight'", "graph 0")
-    assert model.fxshard_plan.units.units[0].flat is None, "no graph may have run"
+    assert model.fxshard_plan.units.units[0].slots is None, "no graph may have run"
 
 
 def shape_branch_same(rank: int, world_size: int) -> None:
