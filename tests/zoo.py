@@ -81,12 +81,17 @@ class Plan:
     tied: bool
     frozen_stem: bool
     direct_head: bool  # the root calls F.linear on the head's weight
+    # Parts in a ModuleList (body.<i>) or as attributes part<i>. outline_blocks
+    # takes the outermost indexed module as the block, so body.<i> hides the
+    # indexed modules inside the parts (an nn.Sequential's children).
+    listed: bool
 
     def describe(self) -> str:
         stem = f"embed({self.vocab},{self.width}" if self.vocab else f"linear({self.width_in},{self.width}"
         stem += ",frozen)" if self.frozen_stem else ")"
         head = "tied" if self.tied else f"{'F.linear' if self.direct_head else 'linear'}({self.width},{self.out})"
-        return f"seed {self.seed}: {stem} > {' > '.join(p.describe() for p in self.parts)} > {head}"
+        body = " > ".join(p.describe() for p in self.parts)
+        return f"seed {self.seed}: {stem} > {'body[' + body + ']' if self.listed else body} > {head}"
 
 
 def _part(rng: random.Random, depth: int) -> Part:
@@ -115,7 +120,8 @@ def plan(seed: int) -> Plan:
     parts = tuple(_part(rng, 0) for _ in range(rng.randint(1, 4)))
     tied = bool(vocab) and rng.random() < 0.5
     return Plan(seed, vocab, rng.choice(WIDTHS), width, rng.choice((3, 4, 5, 7)), parts,
-                rng.choice((*NARROW, 5, width)), tied, rng.random() < 0.1, rng.random() < 0.3)  # fmt: skip
+                rng.choice((*NARROW, 5, width)), tied, rng.random() < 0.1, rng.random() < 0.3,
+                rng.random() < 0.5)  # fmt: skip
 
 
 class Act(nn.Module):
@@ -347,14 +353,19 @@ class ZooModel(nn.Module):
         else:
             self.stem = nn.Linear(arch.width_in, arch.width)
         (self.embed if arch.vocab else self.stem).requires_grad_(not arch.frozen_stem)
-        self.body = nn.ModuleList(build_part(p, arch.width) for p in arch.parts)
+        parts = [build_part(p, arch.width) for p in arch.parts]
+        if arch.listed:
+            self.body = nn.ModuleList(parts)
+        else:
+            for i, part in enumerate(parts):
+                self.add_module(f"part{i}", part)
         if not arch.tied:
             self.head = nn.Linear(arch.width, arch.out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.arch.vocab else self.stem(x)
-        for part in self.body:
-            h = part(h)
+        for i in range(len(self.arch.parts)):
+            h = (self.body[i] if self.arch.listed else getattr(self, f"part{i}"))(h)
         if self.arch.tied:
             return F.linear(h, self.embed.weight)
         if self.arch.direct_head:
