@@ -85,12 +85,24 @@ class Plan:
     # takes the outermost indexed module as the block, so body.<i> hides the
     # indexed modules inside the parts (an nn.Sequential's children).
     listed: bool
+    # The model is nn.Sequential(stem, act, part, act, part, ..., head), each
+    # act the activation module drawn for the part after it: parameter-less
+    # children between parts, which outline_blocks sees as alike blocks
+    # <i> (tied and direct heads need ZooModel's forward).
+    sequential_drawn: bool
+
+    @property
+    def sequential(self) -> bool:
+        return self.sequential_drawn and not self.tied and not self.direct_head
 
     def describe(self) -> str:
         stem = f"embed({self.vocab},{self.width}" if self.vocab else f"linear({self.width_in},{self.width}"
         stem += ",frozen)" if self.frozen_stem else ")"
         head = "tied" if self.tied else f"{'F.linear' if self.direct_head else 'linear'}({self.width},{self.out})"
         body = " > ".join(p.describe() for p in self.parts)
+        if self.sequential:
+            body = " > ".join(f"{p.act} > {p.describe()}" for p in self.parts)
+            return f"seed {self.seed}: Sequential[{stem} > {body} > {head}]"
         return f"seed {self.seed}: {stem} > {'body[' + body + ']' if self.listed else body} > {head}"
 
 
@@ -121,7 +133,7 @@ def plan(seed: int) -> Plan:
     tied = bool(vocab) and rng.random() < 0.5
     return Plan(seed, vocab, rng.choice(WIDTHS), width, rng.choice((3, 4, 5, 7)), parts,
                 rng.choice((*NARROW, 5, width)), tied, rng.random() < 0.1, rng.random() < 0.3,
-                rng.random() < 0.5)  # fmt: skip
+                rng.random() < 0.5, rng.random() < 0.3)  # fmt: skip
 
 
 class Act(nn.Module):
@@ -376,8 +388,14 @@ class ZooModel(nn.Module):
         return self.arch.describe()
 
 
-def make_model(seed: int) -> ZooModel:
-    return ZooModel(plan(seed))
+def make_model(seed: int) -> nn.Module:
+    arch = plan(seed)
+    if not arch.sequential:
+        return ZooModel(arch)
+    stem = nn.Embedding(arch.vocab, arch.width) if arch.vocab else nn.Linear(arch.width_in, arch.width)
+    stem.requires_grad_(not arch.frozen_stem)
+    parts = [m for p in arch.parts for m in (ACTIVATIONS[p.act][0](), build_part(p, arch.width))]
+    return nn.Sequential(stem, *parts, nn.Linear(arch.width, arch.out))
 
 
 def make_batch(seed: int, gen: torch.Generator) -> torch.Tensor:
