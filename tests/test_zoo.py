@@ -15,16 +15,20 @@ import pytest
 from tests.distributed import check_results, run_ranks
 from tests.zoo import failures, parse_seeds, run_seeds
 
-# (backend, world size) -> seeds, chosen to cover every part kind on 2 cores
-# in about a minute. Known failures, by seed: KNOWN_FAILURES.
+# (backend, world size) -> seeds. Together they cover every part kind and
+# variant, float and token inputs, tied, frozen and direct-read heads, empty
+# shards (dim 0 of 1 to 3 at 3 ranks) and an nn.Sequential root.
 CI_SEEDS: dict[tuple[str, int], list[int]] = {
-    ("aot_eager", 2): [],
-    ("aot_eager", 3): [],
-    ("inductor", 2): [],
-    ("inductor", 3): [],
+    ("aot_eager", 2): [37, 92, 137],
+    ("aot_eager", 3): [180, 131, 195],
+    ("inductor", 2): [4, 59],
+    ("inductor", 3): [34],
 }
 # (backend, world size, seed) -> the fxshard bug it hits; xfail(strict=True).
-KNOWN_FAILURES: dict[tuple[str, int, int], str] = {}
+KNOWN_FAILURES: dict[tuple[str, int, int], str] = {
+    ("inductor", 2, 59): "Inductor computes wrong gradients through outlined parameter-less blocks (an "
+                         "nn.Sequential's ReLUs, compile_blocks_once=True); passes with compile_blocks_once=False",
+}
 
 
 MORE_SEEDS = os.environ.get("FXSHARD_ZOO_SEEDS")
