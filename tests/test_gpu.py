@@ -77,3 +77,16 @@ def test_nccl_checkpoint_round_trip(tmp_path):
                 for name in ("torch_save", "full_load", "full_export") if res[name] is not None]  # fmt: skip
     assert not failures, "\n".join(failures)
     check_results(run_ranks(1, dcp_resume, path, results[0]["dcp_saved"], "inductor", timeout=600, backend="nccl"))
+
+
+def test_nccl_zoo_seeds():
+    """The zoo's CI seeds (tests/test_zoo.py) at 2 GPUs, under both compilers."""
+    from tests.test_zoo import CI_SEEDS
+    from tests.zoo import failures, run_seeds
+
+    for backend in ("aot_eager", "inductor"):
+        seeds = sorted({s for (b, _), ss in CI_SEEDS.items() if b == backend for s in ss})
+        results = run_ranks(2, run_seeds, seeds, backend, timeout=600, backend="nccl")
+        check_results(results)
+        failed = failures(results)
+        assert not failed, "\n\n".join(f"seed {s}: {m}" for s, m in sorted(failed.items()))
