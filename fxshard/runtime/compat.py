@@ -129,6 +129,7 @@ def is_graph_break(error: BaseException) -> bool:
 
 
 @functools.cache
+@functools.cache
 def _dynamo_debug_keys() -> tuple[str | None, str | None]:
     """The dynamo config keys that make logging calls no-ops and prints
     reorderable, where this torch has them (``ignore_logger_methods`` was
@@ -139,6 +140,31 @@ def _dynamo_debug_keys() -> tuple[str | None, str | None]:
     ignore = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if k in options), None)
     reorder = "reorderable_logging_functions" if "reorderable_logging_functions" in options else None
     return ignore, reorder
+
+
+@functools.cache
+def _metrics_cannot_log_function_sets() -> bool:
+    """Whether dynamo's compile metrics fail on the sets above: torch 2.11
+    sorts every set of its config to log it, and functions do not sort (an
+    "Unexpected exception logging compilation metrics" at each compile).
+    Where they do, fxshard's calls log no compile metrics."""
+    import warnings
+
+    from torch._dynamo import config, utils
+
+    log_config = getattr(utils, "_get_dynamo_config_for_logging", None)
+    _, reorder = _dynamo_debug_keys()
+    if log_config is None or reorder is None:
+        return False
+    saved = getattr(config, reorder)
+    setattr(config, reorder, {print, warnings.warn})
+    try:
+        log_config()
+        return False
+    except TypeError:
+        return True
+    finally:
+        setattr(config, reorder, saved)
 
 
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once")  # *_once: transformers'
@@ -164,6 +190,9 @@ def debug_calls_in_traces() -> Iterator[None]:
     for key, add in extra:
         if key is not None:
             setattr(config, key, set(getattr(config, key)) | add)
+    if _metrics_cannot_log_function_sets():
+        saved.append(("log_compilation_metrics", config.log_compilation_metrics))
+        config.log_compilation_metrics = False
     try:
         yield
     finally:
