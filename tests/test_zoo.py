@@ -21,9 +21,14 @@ from tests.zoo import failures, parse_seeds, run_seeds
 CI_SEEDS: dict[tuple[str, int], list[int]] = {
     ("aot_eager", 2): [37, 92, 137],
     ("aot_eager", 3): [180, 131, 195],
-    ("inductor", 2): [4, 59],
+    ("inductor", 2): [59, 4],
     ("inductor", 3): [34],
 }
+# CPU time on 2 cores (an Inductor seed compiles for 20-30 s): the first
+# Inductor seed at 2 ranks always, the rest on the GPUs and with FXSHARD_FULL_CPU=1.
+if not os.environ.get("FXSHARD_FULL_CPU"):
+    CI_SEEDS = {**CI_SEEDS, ("inductor", 2): [59]}
+    del CI_SEEDS[("inductor", 3)]
 # (backend, world size, seed) -> the fxshard bug it hits; xfail(strict=True).
 # Seed 59 (an nn.Sequential's ReLUs outlined under Inductor) failed before
 # outlined bodies stopped donating inputs (see [Note: subgraph donation]).
