@@ -422,21 +422,31 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
     """Run each named check; map its name to None (passed) or the failure."""
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity: no TF32 on GPUs
     torch.backends.cudnn.allow_tf32 = False
+    return run_each(rank, world_size, names, _run_one)
+
+
+def _run_one(rank: int, world_size: int, name: str) -> None:
+    base, _, compiler = name.partition("@")  # "llama_tied@inductor": another compiler
+    checks, scenarios = _registry()
+    if base in checks:
+        checks[base](rank, world_size)
+        return
+    sc = scenarios[base]
+    if compiler:
+        sc = dataclasses.replace(sc, compile_kwargs={**sc.compile_kwargs, "backend": compiler})
+    train_and_compare(rank, world_size, sc)
+
+
+def run_each(rank: int, world_size: int, names: list[str], run: Callable[[int, int, str], Any]) -> dict[str, str | None]:
+    """``run(rank, world_size, name)`` for each name, each from a clean dynamo;
+    map each name to None (passed) or its traceback."""
     results: dict[str, str | None] = {}
     for name in names:
         # On stderr, which pytest shows when a rank dies: the check it was in.
         print(f"[rank {rank}/{world_size}] {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            base, _, compiler = name.partition("@")  # "llama_tied@inductor": another compiler
-            checks, scenarios = _registry()
-            if base in checks:
-                checks[base](rank, world_size)
-            else:
-                sc = scenarios[base]
-                if compiler:
-                    sc = dataclasses.replace(sc, compile_kwargs={**sc.compile_kwargs, "backend": compiler})
-                train_and_compare(rank, world_size, sc)
+            run(rank, world_size, name)
             results[name] = None
         except Exception:
             results[name] = traceback.format_exc()

@@ -14,9 +14,6 @@ The gloo checks run together, one process per rank, at world size 2.
 from __future__ import annotations
 
 import os
-import sys
-import time
-import traceback
 
 import pytest
 import torch
@@ -26,6 +23,7 @@ import fxshard
 from fxshard.runtime.rank_checks import RankMismatchError
 from tests import models, rank_check_models
 from tests.distributed import check_results, run_ranks
+from tests.parity import run_each
 
 
 
@@ -111,19 +109,7 @@ GLOO_CHECKS = {f.__name__: f for f in (different_init, same_init_one_changed_val
 
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    for name in names:
-        print(f"[rank {rank}/{world_size}] {name} ...", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            GLOO_CHECKS[name](rank, world_size)
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-        print(f"[rank {rank}/{world_size}] {name} {'passed' if results[name] is None else 'FAILED'} "
-              f"in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-        torch._dynamo.reset()
-    return results
+    return run_each(rank, world_size, names, lambda r, ws, name: GLOO_CHECKS[name](r, ws))
 
 
 @pytest.fixture(scope="module")
