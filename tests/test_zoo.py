@@ -38,15 +38,21 @@ KNOWN_FAILURES: dict[tuple[str, int, int], str] = {}
 MORE_SEEDS = os.environ.get("FXSHARD_ZOO_SEEDS")
 
 
-@pytest.fixture(scope="module")
+_RUNS: dict[tuple[str, int], tuple[list[int], dict[int, str]]] = {}
+
+
+@pytest.fixture
 def zoo_run(request) -> tuple[list[int], dict[int, str]]:
-    """Every seed of one (backend, world size) in one set of ranks: the
-    seeds that ran, and the failed ones with why."""
+    """Every seed of one (backend, world size) in one set of ranks, run once
+    for all its tests (pytest would set an indirect fixture up again for each
+    ``pytest.param``): the seeds that ran, and the failed ones with why."""
     backend, world_size = request.param
-    seeds = parse_seeds(MORE_SEEDS) if MORE_SEEDS else CI_SEEDS[(backend, world_size)]
-    results = run_ranks(world_size, run_seeds, seeds, backend, timeout=900)
-    check_results(results)
-    return seeds, failures(results)
+    if request.param not in _RUNS:
+        seeds = parse_seeds(MORE_SEEDS) if MORE_SEEDS else CI_SEEDS[(backend, world_size)]
+        results = run_ranks(world_size, run_seeds, seeds, backend, timeout=900)
+        check_results(results)
+        _RUNS[request.param] = seeds, failures(results)
+    return _RUNS[request.param]
 
 
 def _cases() -> list:
