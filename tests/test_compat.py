@@ -74,3 +74,32 @@ def test_outlined_bodies_do_not_write_into_the_callers_buffers():
     torch._dynamo.reset()
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+def test_torchs_error_about_logging_fxshards_config_is_dropped():
+    """torch 2.11 cannot log the sets of functions that fxshard's calls put in
+    dynamo's config with a compile's metrics, and says so at error level each
+    compile; inside fxshard's calls that one error is dropped, others stay."""
+    import logging
+
+    log = logging.getLogger("torch._dynamo.metrics_context")
+
+    def error(message: str) -> None:
+        try:
+            raise TypeError(message)
+        except TypeError:
+            log.exception("Unexpected exception logging compilation metrics")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # torch's loggers do not propagate to pytest's
+    log.addHandler(handler)
+    try:
+        with compat.debug_calls_in_traces():
+            error("'<' not supported between instances of 'function' and 'function'")
+            error("something else")
+        error("'<' not supported between instances of 'function' and 'function'")
+    finally:
+        log.removeHandler(handler)
+    messages = [str(r.exc_info[1]) for r in records]
+    assert messages == ["something else", "'<' not supported between instances of 'function' and 'function'"]

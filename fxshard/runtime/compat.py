@@ -142,31 +142,6 @@ def _dynamo_debug_keys() -> tuple[str | None, str | None]:
     return ignore, reorder
 
 
-@functools.cache
-def _metrics_cannot_log_function_sets() -> bool:
-    """Whether dynamo's compile metrics fail on the sets above: torch 2.11
-    sorts every set of its config to log it, and functions do not sort (an
-    "Unexpected exception logging compilation metrics" at each compile).
-    Where they do, fxshard's calls log no compile metrics."""
-    import warnings
-
-    from torch._dynamo import config, utils
-
-    log_config = getattr(utils, "_get_dynamo_config_for_logging", None)
-    _, reorder = _dynamo_debug_keys()
-    if log_config is None or reorder is None:
-        return False
-    saved = getattr(config, reorder)
-    setattr(config, reorder, {print, warnings.warn})
-    try:
-        log_config()
-        return False
-    except TypeError:
-        return True
-    finally:
-        setattr(config, reorder, saved)
-
-
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once")  # *_once: transformers'
 
 
@@ -190,14 +165,25 @@ def debug_calls_in_traces() -> Iterator[None]:
     for key, add in extra:
         if key is not None:
             setattr(config, key, set(getattr(config, key)) | add)
-    if _metrics_cannot_log_function_sets():
-        saved.append(("log_compilation_metrics", config.log_compilation_metrics))
-        config.log_compilation_metrics = False
+    metrics_log = logging.getLogger("torch._dynamo.metrics_context")
+    metrics_log.addFilter(_drop_unsortable_config_errors)
     try:
         yield
     finally:
         for key, value in saved:
             setattr(config, key, value)
+        metrics_log.removeFilter(_drop_unsortable_config_errors)
+
+
+def _drop_unsortable_config_errors(record: Any) -> bool:
+    """False (drop) for torch's error that it could not log the sets of
+    functions above with a compile's metrics: torch 2.11 sorts every set of
+    dynamo's config to log it, and functions do not sort, so it logs
+    "Unexpected exception logging compilation metrics" at each compile
+    (torch 2.13 leaves these keys out). The metrics are lost either way."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(error, TypeError) and "not supported between instances of" in str(error)
+                and "function" in str(error))
 
 
 def default_store() -> Any:
