@@ -77,7 +77,7 @@ def writes_check(rank: int, world_size: int) -> dict:
     _same(model, ref, "before the first call")
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
     torch.testing.assert_close(model(x), ref(x))
-    model(x).sum().backward()  # the first call moves the shards into units' flat buffers
+    model(x).sum().backward()  # the first call moves the shards into their units' slots
     _writes(model, seed=3)
     _writes(ref, seed=3)
     _shard_writes(model, ref, seed=3)
