@@ -1,7 +1,8 @@
 """fxshard: FSDP / ZeRO-3 sharding by rewriting the compiled graph."""
 
 from fxshard.api import ShardPlan, compile
+from fxshard.graphs import CapturedStep, StepMemory, cuda_graph
 from fxshard.policy import MixedPrecision
 
 __version__ = "0.1.0"
-__all__ = ["MixedPrecision", "ShardPlan", "compile", "__version__"]
+__all__ = ["CapturedStep", "MixedPrecision", "ShardPlan", "StepMemory", "compile", "cuda_graph", "__version__"]

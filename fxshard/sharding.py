@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import types
@@ -71,6 +72,11 @@ from fxshard.runtime.units import ParamInfo
 log = logging.getLogger("fxshard")
 
 ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # keys in _fxshard_locals
+
+# While set, every root module called appends itself: how ``fxshard.cuda_graph``
+# learns which models a step runs.
+CALLED_ROOTS: contextvars.ContextVar[list[nn.Module] | None] = contextvars.ContextVar("fxshard_called_roots",
+                                                                                      default=None)
 
 
 class FXShardModule:
@@ -281,6 +287,9 @@ class RootState:
         return None
 
     def call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        called = CALLED_ROOTS.get()
+        if called is not None:
+            called.append(module)
         # Logging and prints in the forward are not graph breaks for fxshard's
         # compiles (see compat.debug_calls_in_traces).
         with compat.debug_calls_in_traces():

@@ -550,3 +550,60 @@ def inductor_row_alignment_bytes() -> int:
     from torch._inductor import config
 
     return int(getattr(config, "padding_alignment_bytes", 128))
+
+
+# CUDA-graph capture (fxshard/graphs.py).
+
+
+@contextlib.contextmanager
+def stale_capture_stream_override() -> Iterator[None]:
+    """During a capture, let autograd run a node whose recorded stream is not
+    the capture stream on the capture stream instead (torch >= 2.13,
+    ``set_override_stale_capture_stream``). The setting is process-wide, so
+    it is restored on exit. On torch 2.11 and 2.12 this does nothing: there
+    the warm-up calls run on the capture stream, so that every autograd node
+    records that stream (which 2.13+ needs no less, but tolerates)."""
+    setter = getattr(torch._C, "_set_override_stale_capture_stream", None)
+    if setter is None:
+        yield
+        return
+    getter = getattr(torch._C, "_override_stale_capture_stream", None)
+    before = bool(getter()) if getter is not None else False
+    setter(True)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
+@contextlib.contextmanager
+def sync_debug_mode(mode: str) -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode`` in scope (it is process-wide)."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def is_sync_debug_error(error: BaseException) -> bool:
+    """What ``set_sync_debug_mode("error")`` raises at a synchronizing call."""
+    return isinstance(error, RuntimeError) and "called a synchronizing CUDA operation" in str(error)
+
+
+def is_capture_error(error: BaseException) -> bool:
+    """What CUDA raises for an operation a stream capture does not allow (a
+    host sync, an allocation outside the pool's reach)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("capturing" in text or "stream capture" in text)
+
+
+def pool_reserved_bytes(pool: Any) -> int:
+    """Bytes the caching allocator holds in the private pool ``pool`` (a
+    ``graph_pool_handle()``), from its segments in the memory snapshot."""
+    total = 0
+    for segment in torch.cuda.memory_snapshot():
+        if tuple(segment.get("segment_pool_id", ())) == tuple(pool):
+            total += segment["total_size"]
+    return total

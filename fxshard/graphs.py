@@ -1,0 +1,441 @@
+"""``fxshard.cuda_graph``: a whole training step captured as one CUDA graph.
+
+[Note: captured steps]
+At small batch a step is bound by kernel launches and host work, not by the
+GPU. ``cuda_graph(step)`` runs ``step`` eagerly for ``warmup`` calls (they
+compile the model, form its units, create gradients and optimizer state),
+captures the next call with ``torch.cuda.graph``, and replays the capture on
+every call after. One graph holds the forward with its all-gathers, the loss,
+the backward with its re-gathers and reduce-scatters, the optimizer step and
+the zeroing of gradients: nothing of the step runs on the host in a replay.
+
+How it is made safe:
+- Warm-up and capture run on one side stream, the capture stream: on torch
+  2.11/2.12 autograd records a node's stream in the warm-up and must find the
+  capture stream there (2.13+ can override it; ``compat``).
+- Before capturing, the models and optimizers the last warm-up call ran are
+  checked: one graph per model (the sequenced path has Python between its
+  graphs), CUDA and NCCL, capturable optimizers. The last warm-up call runs
+  with ``set_sync_debug_mode("error")``, so a host sync in the step
+  (``loss.item()``, ``print(loss)``) raises there, before the capture has
+  issued a collective. Collectives of an aborted capture would leave the
+  ranks' communicators out of step.
+- Arguments are copied into the captured inputs; a changed shape, dtype or
+  non-tensor argument raises instead of replaying stale values.
+- A replay reads the tensors that existed at capture: every parameter shard,
+  gradient and optimizer state. Each call checks they are still the same
+  tensors (a checkpoint load into new tensors, ``zero_grad(set_to_none=True)``
+  outside the step) and that the optimizers' plain-number settings (a float
+  learning rate a scheduler changes) did not move; either raises, naming
+  ``reset()``, which captures again on the next call.
+
+Buffers: every tensor the step allocates, the collectives' gathered units and
+reduce buffers among them, comes from the capture's private pool, at the
+address the capture gave it; replays reuse those addresses. The passes'
+static buffer plan (``passes/buffers.py``) lays the collective buffers out
+from liveness and predicts the step's peak (``CapturedStep.memory``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import functools
+import logging
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from fxshard.runtime import compat
+from fxshard.sharding import CALLED_ROOTS
+
+log = logging.getLogger("fxshard")
+
+_NUMBER = (bool, int, float, complex, str, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Memory of a captured step, in bytes.
+
+    ``persistent``: allocated when the capture began (shards, gradients,
+    optimizer state, the captured inputs, whatever else the process holds).
+    ``predicted_peak``: ``persistent`` plus the step's transient peak as the
+    passes predict it from the compiled graphs' liveness (None where no
+    fxshard graph predicts one). ``measured_peak``: the most allocated while
+    capturing, which is what every replay uses. ``pool_reserved``: what the
+    capture's private pool holds on the GPU (its blocks, rounded up by the
+    caching allocator)."""
+
+    persistent: int
+    predicted_peak: int | None
+    measured_peak: int
+    pool_reserved: int
+
+    def format(self) -> str:
+        gib = lambda b: "-" if b is None else f"{b / 2**30:.3f} GiB"  # noqa: E731
+        return (f"captured step memory: predicted peak {gib(self.predicted_peak)}, measured {gib(self.measured_peak)} "
+                f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)})")  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Signature:
+    """What a call passed, as the capture fixed it."""
+
+    spec: Any  # the pytree spec of (args, kwargs)
+    tensors: list[tuple[int, torch.Size, torch.dtype, torch.device]]  # leaf index, shape, dtype, device
+    constants: dict[int, Any]  # leaf index -> non-tensor value
+
+
+class CapturedStep:
+    """A step function run as one CUDA graph; see [Note: captured steps].
+
+    Call it as the function. It returns the graph's static outputs: tensors
+    that the next call overwrites, as with ``torch.cuda.make_graphed_callables``
+    (``.clone()`` one to keep it; ``loss.item()`` after the call is fine).
+    """
+
+    def __init__(self, fn: Callable[..., Any], warmup: int = 2) -> None:
+        if not callable(fn):
+            raise ValueError(f"fxshard.cuda_graph takes the step function, got {type(fn).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(
+                f"fxshard.cuda_graph: warmup must be an int >= 1 (eager calls before the capture; the first one "
+                f"compiles), got {warmup!r}"
+            )
+        functools.update_wrapper(self, fn)
+        self.fn, self.warmup = fn, warmup
+        self.calls = 0  # since the last reset
+        self.memory: StepMemory | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pool: Any = None
+        self._signature: _Signature | None = None
+        self._static: list[torch.Tensor] = []  # the captured inputs, in leaf order
+        self._out: Any = None
+        self._models: list[weakref.ref] = []  # the fxshard models the capture ran
+        self._optimizers: list[weakref.ref] = []
+        self._held: tuple[int, ...] = ()  # data_ptrs of what replays read (see _held_tensors)
+        self._settings: list[list[dict]] = []  # per optimizer, per group, its plain-number settings
+        # What the last warm-up call ran: models and optimizers.
+        self._ran: tuple[list[nn.Module], list[torch.optim.Optimizer]] = ([], [])
+        _LIVE.add(self)
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    @property
+    def models(self) -> list[nn.Module]:
+        """The fxshard models the step called in its capture."""
+        return [m for m in (r() for r in self._models) if m is not None]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if self._graph is not None:
+            return self._replay(leaves, spec)
+        if self.calls == 0:
+            _check_can_capture(leaves)
+        if self.calls < self.warmup:
+            return self._warm(args, kwargs)
+        return self._capture(leaves, spec)
+
+    def reset(self) -> None:
+        """Free the graph and its pool; the next call warms up and captures
+        again. Call it after replacing what a replay reads (loading a
+        checkpoint into new tensors), and before ``destroy_process_group``
+        (fxshard also does this at exit)."""
+        if self._graph is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # no replay may be running when the graph goes
+        self._graph = self._pool = self._out = self._signature = self.memory = None
+        self._static, self._models, self._optimizers, self._held, self._settings = [], [], [], (), []
+        self._ran = ([], [])
+        self.calls = 0
+
+    # Warm-up and capture.
+
+    def _warm(self, args: tuple, kwargs: dict) -> Any:
+        last = self.calls == self.warmup - 1
+        stream = self._capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # The last warm-up runs with host syncs as errors, unless it is also the
+        # first call, which compiles (compiles may sync).
+        checked = last and self.calls > 0
+        with _recording() as (models, optimizers), torch.cuda.stream(stream):
+            try:
+                with compat.sync_debug_mode("error") if checked else contextlib.nullcontext():
+                    out = self.fn(*args, **kwargs)
+            except RuntimeError as error:
+                if not compat.is_sync_debug_error(error):
+                    raise
+                self._check_ran(models, optimizers)  # a more specific cause first
+                raise ValueError(
+                    "fxshard.cuda_graph: the step synchronizes the host with the GPU (`.item()`, `print(tensor)`, "
+                    "`.cpu()`, `.tolist()`, a data-dependent shape such as `nonzero`); a captured step cannot. "
+                    "Return the tensor from the step and read it after the call: loss = step(x); loss.item(). "
+                    f"Torch said: {str(error).splitlines()[0]}"
+                ) from error
+        torch.cuda.current_stream().wait_stream(stream)
+        self.calls += 1
+        if last:
+            self._check_ran(models, optimizers)
+        return out
+
+    def _capture(self, leaves: list[Any], spec: Any) -> Any:
+        models, optimizers = self._ran
+        self._signature = _signature_of(leaves, spec)
+        self._static = [leaves[i].detach().clone() for i, *_ in self._signature.tensors]
+        static_args, static_kwargs = self._with_static(leaves, spec)
+        stream = self._capture_stream()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        persistent = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        graphs_before = [len(m.fxshard_plan.graphs) for m in models]
+        try:
+            with compat.stale_capture_stream_override(), _recording():
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    out = self.fn(*static_args, **static_kwargs)
+        except RuntimeError as error:
+            compiled = [m for m, n in zip(models, graphs_before) if len(m.fxshard_plan.graphs) != n]
+            if compiled:
+                error.add_note("fxshard.cuda_graph: the model compiled a new graph while the step was captured; make "
+                               "the warm-up calls run exactly what later calls run (same shapes and modes), or "
+                               "raise warmup=")  # fmt: skip
+            elif compat.is_capture_error(error):
+                error.add_note("fxshard.cuda_graph: CUDA refused an operation of the step while capturing it; a "
+                               "host sync (`.item()`, printing a tensor) or a CPU tensor in the step are the usual "
+                               "causes")  # fmt: skip
+            raise
+        self._graph, self._pool, self._out = graph, pool, out
+        self._freeze(models, optimizers)
+        measured = torch.cuda.max_memory_allocated()
+        self.memory = StepMemory(persistent, _predicted_peak(models, persistent), measured,
+                                 compat.pool_reserved_bytes(pool))  # fmt: skip
+        log.info("fxshard: %s", self.memory.format())
+        graph.replay()  # the capture ran nothing: this call's step
+        self.calls += 1
+        return out
+
+    def _freeze(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Remember what replays read, to check it on every call."""
+        self._models = [weakref.ref(m) for m in models]
+        self._optimizers = [weakref.ref(o) for o in optimizers]
+        self._held = _held_tensors(models, optimizers)
+        self._settings = [_plain_settings(o) for o in optimizers]
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _check_ran(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Whether what the warm-up ran can be captured; raises if not."""
+        for model in models:
+            plan = model.fxshard_plan
+            if plan.sequenced:
+                raise ValueError(
+                    f"fxshard.cuda_graph: {type(model).__name__} runs as several graphs with Python between them "
+                    "(fxshard's sequenced reads), which one CUDA graph cannot hold. Remove the graph break; "
+                    f"model.fxshard_plan.graph_break_reason says: {plan.graph_break_reason}"
+                )
+            if plan.mesh.device_type != "cuda":
+                raise ValueError(f"fxshard.cuda_graph: {type(model).__name__} is sharded over a "
+                                 f"{plan.mesh.device_type} mesh; CUDA graphs need a CUDA mesh with NCCL")  # fmt: skip
+            backend = compat.group_backend(plan.mesh.get_group().group_name)
+            if plan.mesh.size() > 1 and backend != "nccl":
+                raise ValueError(f"fxshard.cuda_graph: {type(model).__name__}'s process group is {backend}; a "
+                                 "captured step's collectives need NCCL: init_process_group('nccl')")  # fmt: skip
+        for opt in optimizers:
+            for group in opt.param_groups:
+                if group.get("capturable") is False:
+                    raise ValueError(
+                        f"fxshard.cuda_graph: this {type(opt).__name__} is not capturable (its step reads its "
+                        f"step count on the host); build it with capturable=True, e.g. "
+                        f"torch.optim.{type(opt).__name__}(model.parameters(), fused=True, capturable=True)"
+                    )
+        self._ran = (list(dict.fromkeys(models)), list(dict.fromkeys(optimizers)))
+
+    # Replay.
+
+    def _replay(self, leaves: list[Any], spec: Any) -> Any:
+        sig = self._signature
+        if spec != sig.spec:
+            raise ValueError(f"fxshard.cuda_graph: the step was captured with arguments {sig.spec}; this call "
+                             f"passes {spec}. Call reset() to capture again, or keep one graph per signature")  # fmt: skip
+        srcs = []
+        for (i, shape, dtype, device), static in zip(sig.tensors, self._static):
+            t = leaves[i]
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
+                got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"fxshard.cuda_graph: argument {i} was captured as {tuple(shape)} {dtype} on {device} and is "
+                    f"now {got}; a graph replays fixed shapes. Pad batches to one shape, or use one "
+                    "fxshard.cuda_graph step per shape"
+                )
+            srcs.append(t)
+        for i, value in sig.constants.items():
+            if not _same_constant(leaves[i], value):
+                raise ValueError(
+                    f"fxshard.cuda_graph: non-tensor argument {i} was {value!r} at capture and is now "
+                    f"{leaves[i]!r}; the graph replays what the capture saw. Pass it as a tensor, or call "
+                    "reset() to capture again"
+                )
+        self._check_held()
+        copies = [(s, t) for s, t in zip(self._static, srcs) if s is not t]
+        if copies:
+            torch._foreach_copy_([s for s, _ in copies], [t for _, t in copies])
+        self._graph.replay()
+        self.calls += 1
+        return self._out
+
+    def _check_held(self) -> None:
+        models = [m() for m in self._models]
+        optimizers = [o() for o in self._optimizers]
+        if any(x is None for x in (*models, *optimizers)):
+            raise ValueError("fxshard.cuda_graph: a model or optimizer the step was captured with is gone; "
+                             "call reset() to capture again")  # fmt: skip
+        if _held_tensors(models, optimizers) != self._held:
+            raise ValueError(
+                "fxshard.cuda_graph: a parameter shard, gradient or optimizer state the step was captured with was "
+                "replaced by another tensor (loading a checkpoint into new tensors, zero_grad(set_to_none=True) or "
+                "setting .grad outside the step, a new optimizer state), so a replay would read the old one. Call "
+                "step.reset() after such a change to capture again, and zero gradients inside the step with "
+                "zero_grad(set_to_none=False)"
+            )
+        for opt, before in zip(optimizers, self._settings):
+            now = _plain_settings(opt)
+            if now != before:
+                changed = next(f"{k}: {before[g][k]!r} -> {now[g][k]!r}" for g in range(len(now))
+                               for k in now[g] if now[g][k] != before[g].get(k))  # fmt: skip
+                raise ValueError(
+                    f"fxshard.cuda_graph: an optimizer setting changed after capture ({changed}); the graph "
+                    "replays the captured value. Make it a tensor and change it in place, e.g. "
+                    "AdamW(params, lr=torch.tensor(3e-4, device='cuda'), fused=True, capturable=True), or call "
+                    "step.reset() to capture again"
+                )
+
+    def _with_static(self, leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
+        leaves = list(leaves)
+        for (i, *_), static in zip(self._signature.tensors, self._static):
+            leaves[i] = static
+        return pytree.tree_unflatten(leaves, spec)
+
+
+def cuda_graph(fn: Callable[..., Any] | None = None, *, warmup: int = 2) -> Any:
+    """Capture a whole training step as one CUDA graph: ``@fxshard.cuda_graph``
+    or ``fxshard.cuda_graph(step, warmup=2)``. See [Note: captured steps].
+
+    The first ``warmup`` calls run ``fn`` as it is; the next captures it and
+    replays it; every later call copies its tensor arguments into the
+    captured inputs and replays. Returned tensors are the graph's static
+    outputs, valid until the next call (as with
+    ``torch.cuda.make_graphed_callables``). Needs CUDA, NCCL, models that
+    fxshard compiled to one graph, and capturable optimizers
+    (``AdamW(..., fused=True, capturable=True)``); zero gradients inside the
+    step with ``zero_grad(set_to_none=False)``. ``reset()`` frees the graph.
+    """
+    if fn is None:
+        return functools.partial(cuda_graph, warmup=warmup)
+    return CapturedStep(fn, warmup)
+
+
+# Every step with a graph; reset at exit. NCCL (2.26+) blocks destroying a
+# communicator that a live graph's collectives use.
+_LIVE: "weakref.WeakSet[CapturedStep]" = weakref.WeakSet()
+
+
+def reset_all() -> None:
+    """Reset every captured step of this process."""
+    for step in list(_LIVE):
+        step.reset()
+
+
+atexit.register(reset_all)
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[tuple[list[nn.Module], list[torch.optim.Optimizer]]]:
+    """The fxshard models and the optimizers that step inside the scope."""
+    models: list[nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    token = CALLED_ROOTS.set(models)
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: optimizers.append(opt))
+    try:
+        yield models, optimizers
+    finally:
+        handle.remove()
+        CALLED_ROOTS.reset(token)
+
+
+def _check_can_capture(leaves: list[Any]) -> None:
+    """What can be told before the first call runs anything."""
+    if not torch.cuda.is_available():
+        raise ValueError("fxshard.cuda_graph: CUDA graphs need a CUDA device; on CPU, call the step function itself")
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cuda":
+            raise ValueError(f"fxshard.cuda_graph: argument {i} is on {leaf.device}; a captured step reads its inputs "
+                             "on the GPU: move it there first (x.cuda(non_blocking=True))")  # fmt: skip
+    if dist.is_initialized() and dist.get_world_size() > 1 and "nccl" not in str(dist.get_backend()):
+        raise ValueError(f"fxshard.cuda_graph: the default process group is {dist.get_backend()}; a captured step's "
+                         "collectives need NCCL: init_process_group('nccl')")  # fmt: skip
+
+
+def _signature_of(leaves: list[Any], spec: Any) -> _Signature:
+    tensors, constants = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append((i, leaf.shape, leaf.dtype, leaf.device))
+        else:
+            constants[i] = leaf
+    return _Signature(spec, tensors, constants)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, _NUMBER):
+        return False  # other objects: only the captured one itself
+    return a == b
+
+
+def _held_tensors(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[int, ...]:
+    """The addresses a replay reads: every shard, gradient and optimizer state."""
+    ptrs: list[int] = []
+    for model in models:
+        for p in model.parameters():
+            ptrs += (_address(p), _address(p.grad))
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                ptrs.append(_address(p.grad))
+                ptrs.extend(_address(v) for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return tuple(ptrs)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    return compat.local_tensor(t).data_ptr() if isinstance(t, DTensor) else t.data_ptr()
+
+
+def _plain_settings(opt: torch.optim.Optimizer) -> list[dict]:
+    """Each group's settings that a graph freezes: plain numbers (a tensor
+    setting is read from its memory on every replay)."""
+    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, (*_NUMBER, tuple))}
+            for group in opt.param_groups]  # fmt: skip
+
+
+def _predicted_peak(models: list[nn.Module], persistent: int) -> int | None:
+    """``persistent`` plus the largest transient peak the passes predict for a
+    training step of one of ``models`` (see ``passes/memory.py``)."""
+    peaks = [max(p.intermediates for p in record.peaks.values())
+             for m in models for record in m.fxshard_plan.graphs if record.peaks]  # fmt: skip
+    return persistent + max(peaks) if peaks else None

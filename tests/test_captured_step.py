@@ -1,0 +1,151 @@
+"""``fxshard.cuda_graph`` on CPU: its argument checks, the checks it runs
+before capturing, and the checks of each replayed call. Capture and replay
+themselves need CUDA (tests/test_cuda_graph_gpu.py); here a stand-in graph
+whose ``replay`` only counts lets the per-call checks run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxshard
+from fxshard.graphs import CapturedStep
+from tests.models import GraphBreaks
+
+
+class _CountingGraph:
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def _as_captured(step: CapturedStep, models: list, optimizers: list, *args, **kwargs) -> _CountingGraph:
+    """Put ``step`` in the state a capture with these arguments leaves it in."""
+    from torch.utils import _pytree as pytree
+
+    from fxshard.graphs import _signature_of
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    step._signature = _signature_of(leaves, spec)
+    step._static = [leaves[i].detach().clone() for i, *_ in step._signature.tensors]
+    step._freeze(models, optimizers)
+    step._graph = graph = _CountingGraph()
+    step._out = step._static[0] if step._static else None
+    return graph
+
+
+def _trained(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("warmup", [0, -1, True, 1.5, "2"])
+def test_warmup_must_be_a_positive_int(warmup):
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        fxshard.cuda_graph(lambda: None, warmup=warmup)
+
+
+def test_decorator_forms():
+    def step(x):
+        return x
+
+    assert isinstance(fxshard.cuda_graph(step), CapturedStep)
+    assert fxshard.cuda_graph(warmup=3)(step).warmup == 3
+    with pytest.raises(ValueError, match="takes the step function"):
+        fxshard.cuda_graph(3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_no_cuda_raises_before_running_the_step():
+    ran = []
+    step = fxshard.cuda_graph(lambda x: ran.append(x))
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        step(torch.ones(2))
+    assert not ran
+
+
+def test_checks_before_capture(no_dist):
+    """The models and optimizers a warm-up ran: a sequenced model, a CPU mesh,
+    an optimizer that is not capturable. Each raises, naming the fix."""
+    step = fxshard.cuda_graph(lambda: None)
+    broken = fxshard.compile(GraphBreaks(), backend="aot_eager")
+    broken(torch.randn(3, 6))  # the graph break makes its reads sequenced
+    assert broken.fxshard_plan.sequenced
+    with pytest.raises(ValueError, match="several graphs.*Remove the graph break.*Dynamo said|graph_break_reason"):
+        step._check_ran([broken], [])
+
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    model(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="cpu mesh; CUDA graphs need a CUDA mesh"):
+        step._check_ran([model], [])
+    with pytest.raises(ValueError, match=r"not capturable.*capturable=True"):
+        step._check_ran([], [torch.optim.AdamW(model.parameters(), capturable=False)])
+    step._check_ran([], [torch.optim.AdamW(model.parameters(), capturable=True), torch.optim.SGD(model.parameters())])
+
+
+def test_replay_checks_arguments(no_dist):
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4)
+    _trained(model, opt, x)
+    step = fxshard.cuda_graph(lambda x, scale, mode="a": None)
+    graph = _as_captured(step, [model], [opt], x, 2.0, mode="a")
+
+    y = torch.randn(2, 4)
+    assert step(y, 2.0, mode="a") is step._static[0]
+    assert graph.replays == 1 and torch.equal(step._static[0], y)  # the argument was copied in
+
+    with pytest.raises(ValueError, match=r"argument 0 was captured as \(2, 4\).*now \(3, 4\)"):
+        step(torch.randn(3, 4), 2.0, mode="a")
+    with pytest.raises(ValueError, match="torch.float32.*now.*torch.float64"):
+        step(y.double(), 2.0, mode="a")
+    with pytest.raises(ValueError, match="non-tensor argument 1 was 2.0 at capture and is now 3.0"):
+        step(y, 3.0, mode="a")
+    with pytest.raises(ValueError, match="non-tensor argument 2 was 'a'"):
+        step(y, 2.0, mode="b")
+    with pytest.raises(ValueError, match="captured with arguments"):
+        step(y, 2.0)
+    assert graph.replays == 1  # nothing replayed after a refused call
+
+
+def test_replay_checks_what_the_graph_reads(no_dist):
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4)
+    _trained(model, opt, x)
+    step = fxshard.cuda_graph(lambda x: None)
+    graph = _as_captured(step, [model], [opt], x)
+    step(x)
+    assert graph.replays == 1
+
+    opt.param_groups[0]["lr"] = 5e-4  # a scheduler with a float learning rate
+    with pytest.raises(ValueError, match=r"optimizer setting changed after capture \(lr: 0.001 -> 0.0005\).*tensor"):
+        step(x)
+    opt.param_groups[0]["lr"] = 1e-3
+    step(x)
+
+    opt.zero_grad(set_to_none=True)  # outside the step: the graph still writes the old gradients
+    with pytest.raises(ValueError, match=r"replaced by another tensor.*reset\(\)"):
+        step(x)
+    _trained(model, opt, x)  # new gradient tensors
+    with pytest.raises(ValueError, match="replaced by another tensor"):
+        step(x)
+    step.reset()
+    assert not step.captured and step.calls == 0
+
+    graph = _as_captured(step, [model], [opt], x)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint: new state tensors
+    with pytest.raises(ValueError, match="replaced by another tensor"):
+        step(x)
+    graph = _as_captured(step, [model], [opt], x)
+    with torch.no_grad():
+        model.weight.copy_(torch.ones(3, 4))  # a write into the shard: the same tensor
+        opt.state[next(iter(opt.state))]["exp_avg"].zero_()
+    step(x)
+    assert graph.replays == 1
