@@ -33,11 +33,12 @@ What it leaves out: eager code around the compiled model (a loss computed
 outside it, and that loss's backward), the optimizer and its states, an
 earlier step's gradients, collective and library workspaces (NCCL, cuBLAS),
 and the caching allocator's rounding and fragmentation. Fusion is a rule of
-thumb: Inductor also fuses into ``cat`` and pads (counted here), and reuses
-a dead buffer in place (an allocation here). So expect the estimate to read
-high by the few percent those make in a transformer step, and low by
-whatever eager code around the model allocates; the debug dump's summary
-lists the largest tensors alive at the peak, to see which.
+thumb: Inductor also fuses into a ``cat`` or a pad (counted here as
+allocations) and reuses a dead buffer in place (a new allocation here), so
+those push the estimate high; eager code around the model pushes it low.
+The error has not been measured on a GPU yet (the target is 5% of a
+captured step's measured peak); where it misses, the summary's list of the
+largest tensors alive at the peak shows which values it counted.
 """
 
 from __future__ import annotations
