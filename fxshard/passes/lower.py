@@ -15,6 +15,7 @@ from fxshard.runtime.collectives import gather_full, reduce_to_shard
 
 COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
 LOWERED = "fxshard_lowered"  # node.meta key on every node lowering inserts
+PARAM = "fxshard_param"  # node.meta key: the parameter whose marker a lowered node replaces
 
 
 def op_arguments(node: fx.Node) -> dict[str, Any]:
@@ -78,6 +79,7 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
                 new = graph.node_copy(sub, lambda n: env[n])
                 new.meta = {k: node.meta[k] for k in COPIED_META if k in node.meta}
                 new.meta[LOWERED] = True  # what schedule_collectives may move
+                new.meta[PARAM] = op_arguments(node)["param"]  # names the buffer in the static buffer plan
                 new.meta["val"] = fake_value(new.target, new.args, new.kwargs, fake_mode)
                 env[sub] = new
     node.replace_all_uses_with(result)

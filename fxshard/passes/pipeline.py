@@ -33,13 +33,14 @@ from typing import Any, Sequence
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxshard.passes.memory import GraphPeak, graph_peak
 from fxshard.passes.bucket import bucket_collectives_pass
+from fxshard.passes.buffers import BufferPlan, plan_buffers
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
 from fxshard.passes.lower import lower_collectives_pass, op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
+from fxshard.passes.memory import GraphPeak, graph_peak
 from fxshard.passes.outline import (
     OutlineRecord,
     outline_blocks_pass,
@@ -97,6 +98,7 @@ class GraphRecord:
     reports: dict[str, GraphReport] = field(default_factory=dict)
     schedules: dict[str, Schedule] = field(default_factory=dict)
     peaks: dict[str, GraphPeak] = field(default_factory=dict)  # the liveness estimate per phase
+    buffer_plans: dict[str, BufferPlan] = field(default_factory=dict)  # the static buffer plan per phase
     units: str = ""  # the model's units, as formatted for the summary
     sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
     outline: OutlineRecord = field(default_factory=OutlineRecord)
@@ -121,6 +123,8 @@ class GraphRecord:
                 parts.append(f"[{phase} schedule] " + self.schedules[phase].format())
             if phase in self.peaks:
                 parts.append(f"[{phase} memory] " + self.peaks[phase].format())
+            if phase in self.buffer_plans:
+                parts.append(f"[{phase} buffers] " + self.buffer_plans[phase].format())
         if self.saved_full_weights is not None:
             saved = ", ".join(self.saved_full_weights) or "none"
             parts.append(f"full weights saved from forward for backward: {saved}\n")
@@ -256,7 +260,9 @@ class FXShardBackend:
         gm = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
         if schedules:
             record.schedules[phase] = schedules[0]
-        record.peaks[phase] = graph_peak(gm.graph)
+        # A backward frees its saved activations as it goes; see [Note: peak estimate].
+        record.peaks[phase] = graph_peak(gm.graph, free_inputs=phase == "backward")
+        record.buffer_plans[phase] = plan_buffers(gm)
         setattr(record, phase, gm)
         if dumper:
             dumper.text("summary.txt", record.summary())

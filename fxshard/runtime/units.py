@@ -65,7 +65,8 @@ Where the buffers live (communication has none of its own):
   benchmark that copy-out was 28 ms of a 320 ms step, and the divide 4 ms.
   The outputs are the sizes the liveness estimate already counts
   (``passes/memory.py``), and under CUDA-graph capture they come from the
-  graph's private pool at fixed addresses.
+  graph's private pool at fixed addresses, laid out by the static buffer
+  plan (see [Note: static buffer plan] in ``passes/buffers.py``).
 """
 
 from __future__ import annotations
