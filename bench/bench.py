@@ -73,7 +73,7 @@ import memtrace  # noqa: E402  (bench/memtrace.py: this script's folder is on sy
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 
 SEQ = 2048
-# name: (config, batch per GPU, warm-up steps, timed steps); as in BENCHMARKS.md
+# name: (config, batch per GPU (--batch overrides it), warm-up steps, timed steps)
 MODELS = {
     "375m": (LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
                          tie_embeddings=False), 4, 4, 12),  # fmt: skip
