@@ -1,30 +1,63 @@
-"""fxshard against FSDP2, side by side, in one run, on the same model and data.
+"""fxshard against FSDP2, side by side, on the same model and data, each system in its own process.
 
+    python bench/bench.py --model 1b --nproc-per-node 2 --out bench-1b.json
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 bench/bench.py --model 1b --out bench-1b.json
+    python bench/bench.py --model 375m --batch 1 --systems fxshard_capturable,fxshard_graph --repeat 2
+    python bench/bench.py --model 8b --fake-world 8 --systems fxshard,fsdp2_compile   # memory only
+    python bench/bench.py --model tiny --device cpu --systems fxshard,fsdp2        # a smoke test (gloo)
+
+One process per system: a system leaves compile caches, allocator state,
+streams and NCCL communicators behind, and these slowed the next system in
+the same process. So a driver runs each system in a fresh
+``torchrun --standalone --nproc-per-node N bench/bench.py --only-system X``
+(``--fake-world``: a fresh ``python``), one after the other, ``--repeat K``
+times interleaved (A B A B ...), and merges their JSON into ``--out`` (every
+run kept, each with its ``run`` index; a failed run goes to ``failures`` and
+the others still run). The driver is a plain ``python bench/bench.py``, or,
+when started under torchrun with several systems, local rank 0 (the other
+ranks exit at once; single host only). With one system under torchrun, the
+ranks run it themselves.
 
 Systems, each on the example's plain-PyTorch Llama (RMSNorm, RoPE, causal
 SDPA, SwiGLU, untied output), built from the same seed:
 - ``fxshard``: ``fxshard.compile(model, mesh, mp_policy=...)`` (Inductor);
 - ``fsdp2``: ``fully_shard`` on each block, then on the root;
 - ``fsdp2_compile``: each block ``torch.compile``d, then ``fully_shard`` on
-  each block and the root (torchtitan's order).
+  each block and the root (torchtitan's order);
+- ``fxshard_graph`` (not in the default set): the whole step (forward,
+  backward, optimizer, zero_grad) in ``fxshard.cuda_graph``: two eager steps,
+  a capture, then replays; the timed steps are replays only;
+- ``fxshard_capturable`` (not in the default set): ``fxshard_graph``'s step
+  uncaptured, so that the two differ by the graph alone;
+- ``fxshard_flat``, ``fxshard_r2``: fxshard options (``FXSHARD_VARIANTS``).
 All use bf16 compute, fp32 gradient reduction, fp32 master weights and
-``AdamW(fused=True)``; sequence length 2048; random tokens, the same per step
-and rank for every system. Timing follows ../shared/BENCHMARKS.md: the
-median step over ``--steps`` steps after ``--warmup``, GPU synchronized; the
-first step (compile included) separately; peak memory from
-``max_memory_allocated`` reset after the model is built and sharded.
-Rank 0 prints a table and writes JSON; ``bench/plot.py`` draws it.
+``AdamW(fused=True)`` (``capturable=True`` and ``zero_grad(set_to_none=False)``
+for the last two); sequence length 2048; random tokens, the same per step
+and rank for every system.
+
+Method: the step time is the median over the timed steps after the warm-up
+steps (``MODELS``), each timed with ``time.perf_counter`` around the step and
+a ``torch.cuda.synchronize()``, the loss read after it; the first step
+(compile included) is reported separately. Peak memory per step from
+``max_memory_allocated`` and ``max_memory_reserved`` (reserved holds a CUDA
+graph's pool), reset after the model is built and sharded and after every
+step. TFLOP/s per GPU = (6 params + 6 layers seq dim) tokens / step time.
+``--profile N`` adds, per step over the last N steps, the GPU-busy time (the
+union of all kernels) next to the step time, compute-busy, NCCL and exposed
+NCCL time. Report the device, GPU count, torch and NCCL versions (in the
+JSON's ``meta``) with every number; compare systems of one run side by side.
+The driver prints a table and writes JSON; ``bench/plot.py`` draws it.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +73,7 @@ import memtrace  # noqa: E402  (bench/memtrace.py: this script's folder is on sy
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 
 SEQ = 2048
-# name: (config, batch per GPU, warm-up steps, timed steps); as in BENCHMARKS.md
+# name: (config, batch per GPU (--batch overrides it), warm-up steps, timed steps)
 MODELS = {
     "375m": (LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
                          tie_embeddings=False), 4, 4, 12),  # fmt: skip
@@ -57,8 +90,18 @@ FXSHARD_VARIANTS = {
     "fxshard": {},
     "fxshard_flat": {"compile_blocks_once": False},  # every layer compiled inline
     "fxshard_r2": {"reduces_in_flight": 2},  # two reduce-scatters in flight, two reduce inputs alive
+    "fxshard_capturable": {},  # fxshard_graph's step, uncaptured
+    "fxshard_graph": {},  # the step in fxshard.cuda_graph
 }
-ALL_SYSTEMS = (*SYSTEMS, *FXSHARD_VARIANTS)
+ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS)))
+# [Note: a step a CUDA graph can replay] A replay reuses the captured
+# addresses and launches no host work: the optimizer keeps its step count on
+# the GPU (AdamW capturable=True), and zero_grad keeps the gradient tensors
+# (set_to_none=False). fxshard_capturable runs that same step uncaptured.
+CAPTURABLE = ("fxshard_capturable", "fxshard_graph")
+GRAPHED = ("fxshard_graph",)
+GRAPH_WARMUP = 2  # fxshard.cuda_graph(warmup=...): eager calls; the next one captures, later ones replay
+GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent")
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
 MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
@@ -89,72 +132,115 @@ def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
     return model
 
 
+def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """One training step, ``step(tokens) -> loss`` (see [Note: a step a CUDA graph can replay])."""
+    set_to_none = system not in CAPTURABLE
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss
+
+    if system not in GRAPHED:
+        return train_step
+    # Looked up here, not imported at the top: the script runs with an fxshard that predates it.
+    cuda_graph = getattr(fxshard, "cuda_graph", None)
+    if cuda_graph is None:
+        raise RuntimeError(f"{system} needs fxshard.cuda_graph (fxshard/graphs.py), which this fxshard "
+                           f"({fxshard.__file__}) lacks: update fxshard or leave {system} out of --systems")  # fmt: skip
+    return cuda_graph(train_step, warmup=GRAPH_WARMUP)
+
+
 def tokens_for(step: int, rank: int, batch: int, vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, vocab, (batch, SEQ), generator=gen).to(DEVICE)
 
 
-def run_system(system: str, name: str, mesh) -> dict:
-    cfg, batch, warmup, steps = MODELS[name]
-    rank = dist.get_rank()
-    # What an earlier system left allocated: its peak is not this one's.
-    leftover = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-    model = build(system, cfg, mesh)
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    batches = [tokens_for(s, rank, batch, cfg.vocab) for s in range(warmup + steps)]
-    sync()
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times, losses, step_peaks = [], [], []
-    profiler, traced = None, None
+def timed_steps(step, batches: list[torch.Tensor]) -> dict:
+    """Runs ``step`` on each batch: times, losses, per-step peaks, and the
+    profile and memory trace where asked for."""
+    out: dict = dict(times=[], losses=[], peaks=[], reserved=[], profiler=None, traced=None, phases={})
     compat.compile_phase_times(reset=True)
     for i, tokens in enumerate(batches):
         if PROFILE and i == len(batches) - PROFILE:
             activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
-            profiler = torch.profiler.profile(activities=[activity])
-            profiler.__enter__()
+            out["profiler"] = torch.profiler.profile(activities=[activity])
+            out["profiler"].__enter__()
         if MEMORY_STEP == i and DEVICE == "cuda":
             base = memtrace.start()
         start = time.perf_counter()
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step(tokens)
         sync()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        out["times"].append(time.perf_counter() - start)
+        out["losses"].append(loss.item())  # a graph's static output: read before the next call
         if MEMORY_STEP == i and DEVICE == "cuda":
-            traced = memtrace.summary(base)
+            out["traced"] = memtrace.summary(base)
         if DEVICE == "cuda":
-            step_peaks.append(torch.cuda.max_memory_allocated() - leftover)
+            out["peaks"].append(torch.cuda.max_memory_allocated())
+            out["reserved"].append(torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
         if i == 0:
-            first_step_phases = compat.compile_phase_times()
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-    peak = max(step_peaks, default=0)
-    step = statistics.median(times[warmup:])
+            out["phases"] = compat.compile_phase_times()
+    if out["profiler"] is not None:
+        out["profiler"].__exit__(None, None, None)
+    return out
+
+
+def graph_memory(step) -> dict:
+    """``step.memory`` of an ``fxshard.cuda_graph`` in GiB; empty if it has none."""
+    memory = step.memory
+    if memory is None:
+        return {}
+    values = {f: getattr(memory, f, None) for f in GRAPH_MEMORY_FIELDS}
+    return {f: v / 2**30 if v is not None else None for f, v in values.items()}
+
+
+def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
+    cfg, default_batch, warmup, steps = MODELS[name]
+    batch = batch or default_batch
+    if system in GRAPHED:
+        warmup = max(warmup, GRAPH_WARMUP + 1)  # the timed steps are replays, never the capture
+        if PROFILE > steps:
+            raise ValueError(f"--profile {PROFILE} would profile {system}'s capture; at most {steps} for {name}")
+    rank = dist.get_rank()
+    model = build(system, cfg, mesh)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=system in CAPTURABLE)
+    step = make_step(system, model, opt)
+    batches = [tokens_for(s, rank, batch, cfg.vocab) for s in range(warmup + steps)]
+    sync()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        run = timed_steps(step, batches)
+        memory = graph_memory(step) if system in GRAPHED else {}
+    finally:
+        if system in GRAPHED:
+            step.reset()  # frees the graph and its pool before the process group goes
+    times, losses = run["times"], run["losses"]
+    median = statistics.median(times[warmup:])
     tokens_per_gpu = batch * SEQ
     flops = (6 * params + 6 * cfg.layers * SEQ * cfg.dim) * tokens_per_gpu
     result = dict(
         model=name, system=system, params=params, batch=batch, seq=SEQ, world_size=dist.get_world_size(),
-        step_ms=step * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / step, tflops_per_gpu=flops / step / 1e12,
-        peak_gib=peak / 2**30, leftover_gib=leftover / 2**30, first_step_s=times[0], loss_step10=losses[min(9, len(losses) - 1)],
-        first_step_compile_s=first_step_phases,
-        losses=losses, step_times_ms=[t * 1e3 for t in times], step_peaks_gib=[p / 2**30 for p in step_peaks],
+        warmup=warmup, step_ms=median * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / median,
+        tflops_per_gpu=flops / median / 1e12, peak_gib=max(run["peaks"], default=0) / 2**30,
+        peak_reserved_gib=max(run["reserved"], default=0) / 2**30, first_step_s=times[0],
+        loss_step10=losses[min(9, len(losses) - 1)], first_step_compile_s=run["phases"], losses=losses,
+        step_times_ms=[t * 1e3 for t in times], step_peaks_gib=[p / 2**30 for p in run["peaks"]],
+        step_reserved_gib=[p / 2**30 for p in run["reserved"]],
     )  # fmt: skip
-    if traced is not None:
-        result["memory_at_peak"] = traced
+    if system in GRAPHED:
+        result["capture_step_s"] = times[GRAPH_WARMUP]
+        result["graph_memory_gib"] = memory
+    if run["traced"] is not None:
+        result["memory_at_peak"] = run["traced"]
     if system in FXSHARD_VARIANTS:
         result.update(fxshard_plan_facts(model))
-    if profiler is not None:
-        result["profile"] = kernel_profile(profiler, PROFILE)
-    del model, opt, batches, loss
-    gc.collect()
-    torch._dynamo.reset()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    if run["profiler"] is not None:
+        result["profile"] = kernel_profile(run["profiler"], PROFILE)
     return result
 
 
@@ -182,9 +268,16 @@ def _covered(intervals: list[tuple[float, float]], cover: list[tuple[float, floa
 
 def kernel_profile(profiler, steps: int) -> dict:
     """Per step, from the GPU kernels of the profiled steps (ms): time with
-    any compute kernel running, NCCL kernel time, NCCL time with no compute
-    kernel running (exposed communication), and the largest kernels."""
+    any kernel running (GPU busy: compute, NCCL, copies), time with any
+    compute kernel running, NCCL kernel time, NCCL time with no compute kernel
+    running (exposed communication), and the largest kernels.
+
+    A CUDA graph's replay is one ``cudaGraphLaunch`` on the host; CUPTI's
+    kernel activity, which the profiler reads, still lists each kernel of the
+    replay on the torch and CUDA versions this was written against. Where it
+    does not, the profile has no kernels and says so in ``note``."""
     kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     nccl_u, compute_u = _union(nccl), _union(compute)
@@ -193,12 +286,17 @@ def kernel_profile(profiler, steps: int) -> dict:
     for e in kernels:
         by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-    return dict(
+    result = dict(
+        gpu_busy_ms=sum(b - a for a, b in _union(spans)) / 1e3 / steps,
         compute_busy_ms=sum(b - a for a, b in compute_u) / 1e3 / steps,
         nccl_ms=nccl_ms / steps,
         exposed_nccl_ms=(nccl_ms - _covered(nccl_u, compute_u) / 1e3) / steps,
+        kernels_per_step=len(kernels) / steps,
         top_kernels_ms={k: v / steps for k, v in top},
     )
+    if not kernels:
+        result["note"] = "the profiler listed no GPU kernels (CPU run, or CUDA graph replays not itemized)"
+    return result
 
 
 def fxshard_plan_facts(model: torch.nn.Module) -> dict:
@@ -223,40 +321,69 @@ def sync() -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = "| model | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | first step s | loss@10 |"
-    rows = [head, "|" + "---|" * 8]
+    head = "| model | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | reserved GiB | first step s | loss@10 |"
+    rows = [head, "|" + "---|" * 9]
     for r in results:
+        run = f" #{r['run'] + 1}" if "run" in r else ""
         rows.append(
-            f"| {r['model']} ({r['params'] / 1e9:.2f}B, batch {r['batch']}) | {r['system']} | {r['step_ms']:.1f} | "
+            f"| {r['model']} ({r['params'] / 1e9:.2f}B, batch {r['batch']}) | {r['system']}{run} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {r['peak_gib']:.2f} | "
-            f"{r['first_step_s']:.1f} | {r['loss_step10']:.4f} |"
+            f"{r.get('peak_reserved_gib', 0):.2f} | {r['first_step_s']:.1f} | {r['loss_step10']:.4f} |"
         )
     for r in results:
-        if "profile" in r:
-            p = r["profile"]
-            rows.append(f"\n{r['system']} {r['model']} profile per step: compute busy {p['compute_busy_ms']:.1f} ms, "
-                        f"NCCL {p['nccl_ms']:.1f} ms, exposed NCCL {p['exposed_nccl_ms']:.1f} ms")  # fmt: skip
-        phases = r.get("first_step_compile_s") or {}
-        if phases:
-            shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)
-            rows.append(f"\n{r['system']} {r['model']} first step, compile phases (s): {shown}")
-        if "step_peaks_gib" in r and r["step_peaks_gib"]:
-            rows.append(f"\n{r['system']} {r['model']} peak GiB per step: "
-                        + " ".join(f"{p:.2f}" for p in r["step_peaks_gib"]))
-        if "memory_at_peak" in r:
-            rows.append("\n" + memtrace.format_summary(r["system"], r["memory_at_peak"]))
-        if r.get("predicted_peak_gib") is not None:
-            rows.append(f"\n{r['system']} {r['model']}: {r['units']} units, predicted peak "
-                        f"{r['predicted_peak_gib']:.2f} GiB (measured {r['peak_gib']:.2f})")  # fmt: skip
+        rows.extend("\n" + line for line in details(r))
     return "\n".join(rows)
 
 
-def main() -> None:
+def details(r: dict) -> list[str]:
+    """The lines under the table for one result."""
+    name, lines = f"{r['system']} {r['model']}", []
+    if "profile" in r:
+        p = r["profile"]
+        lines.append(f"{name} profile per step: GPU busy {p.get('gpu_busy_ms', 0):.1f} of {r['step_ms']:.1f} ms, "
+                     f"compute busy {p['compute_busy_ms']:.1f} ms, NCCL {p['nccl_ms']:.1f} ms, "
+                     f"exposed NCCL {p['exposed_nccl_ms']:.1f} ms" + (f" ({p['note']})" if "note" in p else ""))  # fmt: skip
+    phases = r.get("first_step_compile_s") or {}
+    if phases:
+        shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)
+        lines.append(f"{name} first step, compile phases (s): {shown}")
+    if r.get("step_peaks_gib"):
+        lines.append(f"{name} peak GiB per step: " + " ".join(f"{p:.2f}" for p in r["step_peaks_gib"]))
+    if r.get("step_reserved_gib"):
+        lines.append(f"{name} reserved GiB per step: " + " ".join(f"{p:.2f}" for p in r["step_reserved_gib"]))
+    if "memory_at_peak" in r:
+        lines.append(memtrace.format_summary(r["system"], r["memory_at_peak"]))
+    if r.get("predicted_peak_gib") is not None:
+        lines.append(f"{name}: {r['units']} units, predicted peak {r['predicted_peak_gib']:.2f} GiB "
+                     f"(measured {r['peak_gib']:.2f})")  # fmt: skip
+    if "capture_step_s" in r:
+        memory = ", ".join(f"{k} {v:.2f}" for k, v in r["graph_memory_gib"].items() if v is not None)
+        lines.append(f"{name}: capture step {r['capture_step_s']:.1f} s; graph memory GiB: {memory or 'not reported'}")
+    return lines
+
+
+def repeats(results: list[dict]) -> str:
+    """Each system's step times over the repeated runs, in run order."""
+    by_system: dict[str, list[float]] = {}
+    for r in results:
+        by_system.setdefault(r["system"], []).append(r["step_ms"])
+    return "\n".join(f"{s}: step ms per run {' '.join(f'{t:.1f}' for t in ts)} (median {statistics.median(ts):.1f})"
+                     for s, ts in by_system.items())  # fmt: skip
+
+
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--out", default=None, help="JSON file (rank 0 writes it)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(ALL_SYSTEMS)}")
+    parser.add_argument("--out", default=None, help="JSON file")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test with gloo")
+    parser.add_argument("--batch", type=int, default=None, help="batch per GPU (default: the model's, in MODELS)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="processes per system (default: torchrun's, else the GPU count; 2 on CPU)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the system list this many times, interleaved")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds one system's run may take")
+    parser.add_argument("--only-system", choices=ALL_SYSTEMS, default=None,
+                        help="run this system in this process (what the driver starts)")
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
@@ -266,18 +393,83 @@ def main() -> None:
     parser.add_argument("--memory-step", type=int, default=None,
                         help="trace this step's allocations and report who holds its peak (bench/memtrace.py); "
                              "pick a warm-up step, since recording slows it")
-    args = parser.parse_args()
-    global DEVICE, PROFILE, MEMORY_STEP
-    DEVICE = args.device
-    PROFILE = args.profile
-    MEMORY_STEP = args.memory_step
-    for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):
-        if value is not None:
-            FXSHARD_KWARGS[key] = value
-    systems = args.systems.split(",")
-    if unknown := set(systems) - set(ALL_SYSTEMS):
-        parser.error(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}")
+    return parser, parser.parse_args()
 
+
+# Options the driver passes on to each system's process as they were given.
+FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world")
+# What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+def child_command(args: argparse.Namespace, system: str, out: Path) -> list[str]:
+    flags = [f"--only-system={system}", f"--out={out}"]
+    for key in FORWARDED:
+        if getattr(args, key) not in (None, 0):
+            flags.append(f"--{key.replace('_', '-')}={getattr(args, key)}")
+    script = str(Path(__file__).resolve())
+    if args.fake_world:
+        return [sys.executable, script, *flags]
+    nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    nproc = nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *flags]
+
+
+def run_child(command: list[str], timeout: float | None) -> int:
+    """Runs one system's process; on a timeout, stops it (torchrun stops its workers on SIGTERM)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    proc = subprocess.Popen(command, env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"timed out after {timeout} s: {' '.join(command)}", flush=True)
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return 124
+
+
+def drive(args: argparse.Namespace, systems: list[str]) -> int:
+    """Runs each system in a process of its own, ``--repeat`` times
+    interleaved, and merges their JSON; returns the number of failed runs."""
+    meta: dict = {}
+    results, failures = [], []
+
+    def write() -> None:  # after every run, so that a later failure keeps the earlier results
+        if args.out:
+            meta.update(processes="one per system and run", systems=systems, repeat=args.repeat)
+            Path(args.out).write_text(json.dumps(dict(meta=meta, results=results, failures=failures), indent=1))
+
+    order = [(run, system) for run in range(args.repeat) for system in systems]
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for run, system in order:
+            out = Path(tmp) / f"{run}-{system}.json"
+            command = child_command(args, system, out)
+            print(f"== {system}, run {run + 1} of {args.repeat}: {' '.join(command)}", flush=True)
+            returncode = run_child(command, args.timeout)
+            if returncode == 0 and out.exists():
+                child = json.loads(out.read_text())
+                meta = meta or child["meta"]
+                results.extend({**r, "run": run} for r in child["results"])
+            else:
+                failures.append(dict(system=system, run=run, returncode=returncode))
+                print(f"== {system}, run {run + 1}: failed (exit status {returncode})", flush=True)
+            write()
+    if results:
+        print(table(results))
+    if args.repeat > 1 and results:
+        print("\n" + repeats(results))
+    for f in failures:
+        print(f"failed: {f['system']}, run {f['run'] + 1}, exit status {f['returncode']}")
+    return len(failures)
+
+
+def run_one(args: argparse.Namespace, system: str) -> None:
+    """Runs one system in this process (and its torchrun siblings)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.fake_world:
         if DEVICE == "cuda":
@@ -295,16 +487,40 @@ def main() -> None:
                 precision="bf16 compute, fp32 reduce",
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
                 fake_world=args.fake_world)  # fmt: skip
-    results = []
-    for system in systems:
-        results.append(run_system(system, args.model, mesh))
-        if dist.get_rank() == 0:
-            print(table(results[-1:]), flush=True)
-            if args.out:  # after every system, so that a later failure keeps the earlier results
-                Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    result = run_system(system, args.model, mesh, args.batch)
     if dist.get_rank() == 0:
-        print(table(results))
+        print(table([result]), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(meta=meta, results=[result]), indent=1))
     dist.destroy_process_group()
+
+
+def main() -> None:
+    parser, args = parse_args()
+    global DEVICE, PROFILE, MEMORY_STEP
+    DEVICE = args.device
+    PROFILE = args.profile
+    MEMORY_STEP = args.memory_step
+    for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):
+        if value is not None:
+            FXSHARD_KWARGS[key] = value
+    systems = [args.only_system] if args.only_system else args.systems.split(",")
+    if unknown := set(systems) - set(ALL_SYSTEMS):
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
+    if DEVICE == "cpu" and (graphed := [s for s in systems if s in GRAPHED]):
+        parser.error(f"{', '.join(graphed)} captures a CUDA graph, which needs --device cuda; "
+                     f"leave it out of --systems on CPU (fxshard_capturable runs the same step uncaptured)")  # fmt: skip
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more")
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if args.only_system or (under_torchrun and len(systems) == 1 and args.repeat == 1):
+        run_one(args, systems[0])
+        return
+    if under_torchrun and os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+        parser.error("several systems under a multi-node torchrun: start one torchrun per system (--systems X)")
+    if under_torchrun and os.environ.get("LOCAL_RANK") != "0":
+        return  # local rank 0 drives; see the module docstring
+    sys.exit(1 if drive(args, systems) else 0)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""The benchmark's memory trace: the replay that finds what is alive at a step's peak."""
+"""The benchmark's tools: the memory trace's replay, the kernel profile's
+sums, and the driver that runs each system in a process of its own."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+import bench  # noqa: E402  (bench/bench.py)
 import memtrace  # noqa: E402
 
 
@@ -30,3 +36,66 @@ def test_replay_finds_the_blocks_alive_at_the_peak():
     by_file = {b["where"]: b["blocks"] for b in summary["by_file"]}
     assert by_file == {"cabc.py": 2, "units.py": 1}
     assert summary["peak_event"].startswith("units.py:12 call")
+
+
+def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=bench.torch.autograd.DeviceType.CUDA,
+                           time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+
+def test_gpu_busy_is_the_union_of_all_kernels():
+    events = [_kernel("gemm", 0, 10), _kernel("ncclAllGather", 5, 20), _kernel("copy", 30, 40)]  # microseconds
+    profile = bench.kernel_profile(SimpleNamespace(events=lambda: events), steps=2)
+    assert profile["gpu_busy_ms"] == pytest.approx(30 / 1e3 / 2)  # 0-20 and 30-40
+    assert profile["compute_busy_ms"] == pytest.approx(20 / 1e3 / 2)
+    assert profile["exposed_nccl_ms"] == pytest.approx(10 / 1e3 / 2)  # 10-20: no compute kernel
+    assert profile["kernels_per_step"] == 1.5 and "note" not in profile
+    assert "note" in bench.kernel_profile(SimpleNamespace(events=list), steps=1)
+
+
+def _args(**kw) -> SimpleNamespace:
+    base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, memory_step=None,
+                fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None)  # fmt: skip
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_each_system_gets_a_process_of_its_own(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    command = bench.child_command(_args(batch=3), "fsdp2", Path("o.json"))
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert command[5].endswith("bench/bench.py")
+    assert set(command[6:]) == {"--only-system=fsdp2", "--out=o.json", "--model=tiny", "--device=cpu", "--batch=3"}
+    fake = bench.child_command(_args(fake_world=8), "fxshard", Path("o.json"))
+    assert "torch.distributed.run" not in fake and "--fake-world=8" in fake
+
+
+def test_the_driver_interleaves_repeats_and_keeps_failed_runs(monkeypatch, tmp_path, capsys):
+    started = []
+
+    def run_child(command, timeout):  # a child that writes its JSON, except fsdp2's second run
+        system = next(a for a in command if a.startswith("--only-system=")).split("=")[1]
+        out = Path(next(a for a in command if a.startswith("--out=")).split("=", 1)[1])
+        started.append(system)
+        if system == "fsdp2" and started.count("fsdp2") == 2:
+            return 1
+        result = dict(model="tiny", system=system, params=1, batch=1, step_ms=float(len(started)),
+                      tokens_per_s_per_gpu=1.0, tflops_per_gpu=0.0, peak_gib=0.0, first_step_s=0.0, loss_step10=4.0)
+        out.write_text(json.dumps(dict(meta=dict(device="cpu"), results=[result])))
+        return 0
+
+    monkeypatch.setattr(bench, "run_child", run_child)
+    out = tmp_path / "merged.json"
+    failed = bench.drive(_args(repeat=2, out=str(out)), ["fxshard", "fsdp2"])
+    assert started == ["fxshard", "fsdp2", "fxshard", "fsdp2"]
+    merged = json.loads(out.read_text())
+    assert [(r["system"], r["run"]) for r in merged["results"]] == [("fxshard", 0), ("fsdp2", 0), ("fxshard", 1)]
+    assert failed == 1 and merged["failures"] == [dict(system="fsdp2", run=1, returncode=1)]
+    assert merged["meta"]["device"] == "cpu" and merged["meta"]["repeat"] == 2
+    assert "fxshard: step ms per run 1.0 3.0" in capsys.readouterr().out
+
+
+def test_a_cuda_graph_on_cpu_is_refused_with_the_fix(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", "tiny", "--device", "cpu", "--systems", "fxshard_graph"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "needs --device cuda" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-# The benchmark on GPUS GPUs (default 4): one torchrun per model, the systems side by side.
+# The benchmark on GPUS GPUs (default 4): one torchrun per model; bench.py runs each system in a torchrun of its own.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench-out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1 > $OUT/env.txt
