@@ -152,7 +152,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _state_differences(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple[nn.Module, torch.optim.Optimizer]) -> list[str]:
+Trained = tuple[nn.Module, torch.optim.Optimizer]
+
+
+def _state_differences(a: Trained, b: Trained) -> list[str]:
     """Every parameter's local shard and optimizer state tensor of ``a`` not
     bitwise equal to ``b``'s."""
     (model_a, opt_a), (model_b, opt_b) = a, b
@@ -196,9 +199,9 @@ def memory_check(rank: int, world_size: int, name: str, backend: str | None = No
     for i in range(case.steps):
         step(*_batch(case, i, rank, device))
     m = step.memory
-    report = (f"rank {rank} {name}: predicted_peak {m.predicted_peak / 2**20:.1f} MiB, measured_peak "
-              f"{m.measured_peak / 2**20:.1f} MiB ({(m.predicted_peak - m.measured_peak) / max(m.measured_peak, 1):+.1%}), "
-              f"pool_reserved {m.pool_reserved / 2**20:.1f} MiB, persistent {m.persistent / 2**20:.1f} MiB")  # fmt: skip
+    off = (m.predicted_peak - m.measured_peak) / max(m.measured_peak, 1)
+    report = (f"rank {rank} {name}: predicted_peak {m.predicted_peak} B, measured_peak {m.measured_peak} B "
+              f"({off:+.1%}), pool_reserved {m.pool_reserved} B, persistent {m.persistent} B")  # fmt: skip
     print(report, file=sys.stderr, flush=True)
     step.reset()
     assert m.measured_peak > 0, report
