@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from examples.llama import Llama, LlamaConfig
+from examples.llama import Block, Llama, LlamaConfig, RMSNorm, lm_loss, rope_tables
 
 
 def TinyLlama(tie: bool = True) -> Llama:
@@ -149,3 +149,64 @@ class RoutedExperts(nn.Module):
             idx = (choice == e).nonzero().squeeze(1)
             out = out.index_add(0, idx, self.experts[e](flat[idx]))
         return self.head(out + flat)
+
+
+class GroupedExperts(nn.Module):
+    """An MoE layer whose experts are stored grouped, as in Mixtral's and
+    DeepSeek's fused implementations: one parameter of shape [experts, dim,
+    hidden] and one of [experts, hidden, dim]. Every token goes through every
+    expert and the router's top-k gates weight the sum (zero for the experts
+    not chosen): static shapes, no data-dependent control flow, so the forward
+    stays one graph and its step can be captured in a CUDA graph."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm = RMSNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, dim, hidden) * dim**-0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, dim) * hidden**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = self.norm(x).reshape(1, b * t, d)
+        scores = self.router(flat[0]).softmax(-1)
+        top, chosen = scores.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(scores).scatter(-1, chosen, top / top.sum(-1, keepdim=True))
+        experts = self.w_in.shape[0]
+        h = F.silu(torch.bmm(flat.expand(experts, -1, -1), self.w_in))  # [experts, tokens, hidden]
+        out = torch.bmm(h, self.w_out)  # [experts, tokens, dim]
+        return x + (out * gates.T.unsqueeze(-1)).sum(0).view(b, t, d)
+
+
+class Hybrid(nn.Module):
+    """A Jamba-like stack that compiles to one graph: causal attention blocks
+    (the example Llama's), Mamba-style blocks that read their conv's weight
+    directly, and MoE layers with grouped experts, then an untied output head.
+    ``forward(tokens, labels)`` returns the next-token loss, computed in the
+    compiled graph; without labels, the fp32 logits.
+
+    Odd sizes shard unevenly: vocab 41, 5 experts, MoE hidden 27, Mamba inner
+    13, MLP hidden 33."""
+
+    def __init__(self, vocab: int = 41, dim: int = 20, heads: int = 2, pattern: str = "amxamx",
+                 max_len: int = 64) -> None:  # fmt: skip
+        super().__init__()
+        cfg = LlamaConfig(vocab=vocab, dim=dim, heads=heads, hidden=33, max_len=max_len)
+        make = {"a": lambda: Block(cfg), "m": lambda: MambaStyleBlock(dim, inner=13),
+                "x": lambda: GroupedExperts(dim, hidden=27, experts=5, top_k=2)}  # fmt: skip
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(make[kind]() for kind in pattern)
+        self.kinds = pattern
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        cos, sin = rope_tables(dim // heads, max_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens)
+        for kind, layer in zip(self.kinds, self.layers):
+            h = layer(h, self.rope_cos, self.rope_sin) if kind == "a" else layer(h)
+        logits = self.head(self.norm(h)).float()
+        return logits if labels is None else lm_loss(logits, labels)

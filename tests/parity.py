@@ -71,6 +71,15 @@ def _ragged_tokens(gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 37, (2, 9 if step % 2 == 0 else 5 + rank), generator=gen)
 
 
+def _labeled_tokens(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 41, (2, 9), generator=gen)
+    return {"tokens": tokens, "labels": tokens}
+
+
+def _returned_loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return out  # the model computed the loss from labels=
+
+
 LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=lm_loss)
 UNTIED = dict(make_model=lambda: models.TinyLlama(tie=False), loss=lm_loss)
 MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
@@ -140,6 +149,10 @@ SCENARIOS: dict[str, Scenario] = {
         make_model=lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)),
         make_batch=lambda g: torch.randn(8, 32, generator=g), loss=_mse,
     ),
+    # Attention, Mamba-style direct reads and grouped-expert MoE in one
+    # graph, the loss computed inside forward: what a CUDA graph can capture.
+    "hybrid": Scenario(make_model=models.Hybrid, make_batch=_labeled_tokens, loss=_returned_loss,
+                       compile_kwargs=dict(backend="aot_eager"), sequenced=False),
     "uneven_units_prefetch1": Scenario(
         make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
         compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=1),
