@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
+from fxshard.passes.memory import step_transient
 from fxshard.runtime import compat
 from fxshard.sharding import CALLED_ROOTS
 
@@ -216,6 +217,7 @@ class CapturedStep:
             raise
         self._graph, self._pool, self._out = graph, pool, out
         self._freeze(models, optimizers)
+        compat.call_before_destroy(reset_all)
         measured = torch.cuda.max_memory_allocated()
         self.memory = StepMemory(persistent, _predicted_peak(models, persistent), measured,
                                  compat.pool_reserved_bytes(pool))  # fmt: skip
@@ -347,8 +349,9 @@ def cuda_graph(fn: Callable[..., Any] | None = None, *, warmup: int = 2) -> Any:
     return CapturedStep(fn, warmup)
 
 
-# Every step with a graph; reset at exit. NCCL (2.26+) blocks destroying a
-# communicator that a live graph's collectives use.
+# Every step with a graph; reset at exit and before destroy_process_group():
+# NCCL (2.28 on H200s, torch 2.11) blocks for good destroying a communicator
+# that a live graph's collectives use.
 _LIVE: "weakref.WeakSet[CapturedStep]" = weakref.WeakSet()
 
 
@@ -434,8 +437,9 @@ def _plain_settings(opt: torch.optim.Optimizer) -> list[dict]:
 
 
 def _predicted_peak(models: list[nn.Module], persistent: int) -> int | None:
-    """``persistent`` plus the largest transient peak the passes predict for a
-    training step of one of ``models`` (see ``passes/memory.py``)."""
-    peaks = [max(p.intermediates for p in record.peaks.values())
-             for m in models for record in m.fxshard_plan.graphs if record.peaks]  # fmt: skip
+    """``persistent`` plus the largest transient peak the passes predict for
+    one training step of one of ``models`` (see [Note: peak estimate]).
+    Eager code of the step (a loss computed outside the model) is in no
+    graph, so it is not predicted."""
+    peaks = [p for m in models for record in m.fxshard_plan.graphs if (p := step_transient(record)) is not None]
     return persistent + max(peaks) if peaks else None

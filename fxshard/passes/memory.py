@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -188,3 +189,19 @@ def step_peak(forward: GraphPeak, backward: GraphPeak | None, held_outside: int 
     ``held_outside``, what the caller holds through the step that no graph
     counts (optimizer states, gradients kept from an earlier step)."""
     return max(forward.total, backward.total if backward is not None else 0) + held_outside
+
+
+def step_transient(record: Any) -> int | None:
+    """What a training step of one captured graph (a ``GraphRecord``) adds
+    to the memory its caller holds, in bytes: the larger of the forward's
+    intermediates and the backward's peak less the forward inputs it holds
+    (parameter shards and the user's inputs, which the caller holds anyway).
+    None before the graph was compiled in this process."""
+    forward = record.peaks.get("forward") or record.peaks.get("inference")
+    if forward is None:
+        return None
+    backward = record.peaks.get("backward")
+    if backward is None or record.backward is None:
+        return forward.intermediates
+    held = sum(nbytes(n) for n in record.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+    return max(forward.intermediates, backward.total - held)

@@ -187,7 +187,8 @@ class FXShardBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         record = GraphRecord(index=len(self.graphs), graph_break_reason=self.graph_break_reason)
         self.graphs.append(record)
-        compiled = self._compile(record, gm, example_inputs)
+        with compat.host_syncs_allowed():
+            compiled = self._compile(record, gm, example_inputs)
         if self.agreement is None or not record.collectives:
             return compiled
         return _agree_first(compiled, self.agreement, f"graph {record.index}", record.collectives)
@@ -241,6 +242,12 @@ class FXShardBackend:
         return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)
 
     def _compile_graph(
+        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+    ) -> Any:
+        with compat.host_syncs_allowed():  # a backward compiles lazily, inside a step
+            return self._compile_phase(record, dumper, gm, example_inputs, **kwargs)
+
+    def _compile_phase(
         self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
     ) -> Any:
         phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"

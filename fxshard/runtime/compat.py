@@ -587,6 +587,17 @@ def sync_debug_mode(mode: str) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(before)
 
 
+@contextlib.contextmanager
+def host_syncs_allowed() -> Iterator[None]:
+    """Sync debug mode off in scope: compiling a graph may synchronize, and a
+    captured step's last warm-up call checks only the step's own code."""
+    if not torch.cuda.is_available() or torch.cuda.get_sync_debug_mode() == 0:
+        yield
+        return
+    with sync_debug_mode("default"):
+        yield
+
+
 def is_sync_debug_error(error: BaseException) -> bool:
     """What ``set_sync_debug_mode("error")`` raises at a synchronizing call."""
     return isinstance(error, RuntimeError) and "called a synchronizing CUDA operation" in str(error)
@@ -607,3 +618,29 @@ def pool_reserved_bytes(pool: Any) -> int:
         if tuple(segment.get("segment_pool_id", ())) == tuple(pool):
             total += segment["total_size"]
     return total
+
+
+class _BeforeDestroy:
+    """Runs ``fn`` when ``destroy_process_group()`` destroys the default
+    group, before any communicator is shut down: that function finalizes each
+    object in the world's ``comms`` list first (torch >= 2.11)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def finalize(self) -> None:
+        self.fn()
+
+
+def call_before_destroy(fn: Callable[[], None]) -> bool:
+    """Have ``destroy_process_group()`` call ``fn`` before it shuts down the
+    default group's communicators (once; call again after each init).
+    False where this torch has no such point: then only exit resets."""
+    from torch.distributed import distributed_c10d as c10d
+
+    comms = getattr(getattr(c10d, "_world", None), "comms", None)
+    if not isinstance(comms, list):
+        return False
+    if not any(isinstance(c, _BeforeDestroy) and c.fn is fn for c in comms):
+        comms.append(_BeforeDestroy(fn))
+    return True

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The CUDA-graph GPU gate (tests/test_cuda_graph_gpu.py) on 2 GPUs, its groups
+# run side by side (each a pytest of its own, each two NCCL ranks on both GPUs;
+# Inductor compiles on the CPU dominate, so they overlap well). Logs to $OUT.
+#   OUT=/tmp/gate bash bench/scripts/gpu_graph_gate.sh
+set -u
+OUT=${OUT:-/tmp/fxshard-gate}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+declare -A groups=(
+  [bitwise_core]="bitwise and not hf"
+  [bitwise_hf]="bitwise and hf"
+  [options]="keep_full or prefetch or reduces_in_flight or accumulate"
+  [memory]="memory"
+  [errors]="error"
+  [teardown]="destroy or reset_then"
+)
+for g in "${!groups[@]}"; do
+  timeout "${GATE_TIMEOUT:-540}" python -m pytest -q -rA tests/test_cuda_graph_gpu.py -k "${groups[$g]}" \
+    > "$OUT/gate-$g.log" 2>&1 &
+done
+wait
+for g in "${!groups[@]}"; do
+  echo "== $g: $(grep -E '(passed|failed|error)' "$OUT/gate-$g.log" | tail -1)"
+done
