@@ -279,8 +279,8 @@ class CapturedStep:
                 got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"fxshard.cuda_graph: argument {i} was captured as {tuple(shape)} {dtype} on {device} and is "
-                    f"now {got}; a graph replays fixed shapes. Pad batches to one shape, or use one "
-                    "fxshard.cuda_graph step per shape"
+                    f"now {got}; a graph replays fixed shapes and dtypes. Pad batches to one shape, or "
+                    "use one fxshard.cuda_graph step per shape"
                 )
             srcs.append(t)
         for i, value in sig.constants.items():

@@ -9,7 +9,12 @@ on every rank:
 - Each member ``i`` has ``chunk_i = ceil(dim0_i / world_size)`` rows per rank
   and ``row_i`` elements per row; its *slot* is ``chunk_i * row_i`` elements.
 - A rank's flat shard is the members' slots end to end (``numel``
-  elements), as the collectives see it. In memory each member's slot is a
+  elements), as the collectives see it, each starting at a multiple of
+  ``MEMBER_ALIGN`` elements. So does each member's block of the gathered
+  unit, which the graph reads in place: Inductor compiles an outlined
+  block's body for 16-byte-aligned inputs and checks no view it is passed
+  (a Mamba block's odd conv bias put the next member at an odd offset:
+  "misaligned address" on an H200). In memory each member's slot is a
   buffer of its own (``Unit.slots``), and member ``i``'s local shard is its
   first ``local_rows_i * row_i`` elements (the rest is padding, never
   read). ``Units.rehome`` copies each local shard into its slot and makes
@@ -88,6 +93,9 @@ from fxshard.runtime.rank_checks import check_collective
 log = logging.getLogger("fxshard")
 
 
+MEMBER_ALIGN = 16  # elements: 16 bytes or more for every dtype
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """What units need to know of one parameter."""
@@ -133,6 +141,7 @@ class Unit:
         for info in infos:
             row = math.prod(info.shape[1:])
             chunk = chunk_rows(info.shape[0], world_size)
+            offset = -(-offset // MEMBER_ALIGN) * MEMBER_ALIGN
             members.append(Member(info, chunk, row, offset))
             offset += chunk * row
         self.members = tuple(members)
