@@ -69,8 +69,9 @@ class StepMemory:
     ``persistent``: allocated when the capture began (shards, gradients,
     optimizer state, the captured inputs, whatever else the process holds).
     ``predicted_peak``: ``persistent`` plus the step's transient peak as the
-    passes predict it from the compiled graphs' liveness (None where no
-    fxshard graph predicts one). ``measured_peak``: the most allocated while
+    passes predict it from the compiled graphs' liveness (None where the
+    passes did not run in this process: torch loaded the compiled graphs from
+    its cache). ``measured_peak``: the most allocated while
     capturing, which is what every replay uses. ``pool_reserved``: what the
     capture's private pool holds on the GPU (its blocks, rounded up by the
     caching allocator)."""
@@ -81,8 +82,10 @@ class StepMemory:
     pool_reserved: int
 
     def format(self) -> str:
-        gib = lambda b: "-" if b is None else f"{b / 2**30:.3f} GiB"  # noqa: E731
-        return (f"captured step memory: predicted peak {gib(self.predicted_peak)}, measured {gib(self.measured_peak)} "
+        gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+        predicted = (gib(self.predicted_peak) if self.predicted_peak is not None else
+                     "none (no graph compiled in this process: torch loaded them from its compile cache)")
+        return (f"captured step memory: predicted peak {predicted}, measured {gib(self.measured_peak)} "
                 f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)})")  # fmt: skip
 
 
@@ -164,6 +167,10 @@ class CapturedStep:
 
     def _warm(self, args: tuple, kwargs: dict) -> Any:
         last = self.calls == self.warmup - 1
+        # Blocks cached on other streams (the model's build on the default
+        # stream, say) are never reused on the capture stream: without this,
+        # a warm-up on it reserved 1.23x what a plain step does (1B, H200).
+        torch.cuda.empty_cache()
         stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         # The last warm-up runs with host syncs as errors, unless it is also the
