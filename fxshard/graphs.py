@@ -69,9 +69,9 @@ class StepMemory:
     ``persistent``: allocated when the capture began (shards, gradients,
     optimizer state, the captured inputs, whatever else the process holds).
     ``predicted_peak``: ``persistent`` plus the step's transient peak as the
-    passes predict it from the compiled graphs' liveness (None where the
-    passes did not run in this process: torch loaded the compiled graphs from
-    its cache). ``measured_peak``: the most allocated while
+    passes predict it from the compiled graphs' liveness (None where no
+    estimate exists: the graphs came from torch's compile cache and their
+    estimates file is gone). ``measured_peak``: the most allocated while
     capturing, which is what every replay uses. ``pool_reserved``: what the
     capture's private pool holds on the GPU (its blocks, rounded up by the
     caching allocator)."""
@@ -84,7 +84,7 @@ class StepMemory:
     def format(self) -> str:
         gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
         predicted = (gib(self.predicted_peak) if self.predicted_peak is not None else
-                     "none (no graph compiled in this process: torch loaded them from its compile cache)")
+                     "none (the graphs came from torch's compile cache, without fxshard's estimates)")
         return (f"captured step memory: predicted peak {predicted}, measured {gib(self.measured_peak)} "
                 f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)})")  # fmt: skip
 

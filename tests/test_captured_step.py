@@ -6,6 +6,7 @@ whose ``replay`` only counts lets the per-call checks run."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,30 @@ def test_replay_checks_what_the_graph_reads(no_dist):
         opt.state[next(iter(opt.state))]["exp_avg"].zero_()
     step(x)
     assert graph.replays == 1
+
+
+def test_estimates_survive_a_compile_cache_hit(no_dist, tmp_path, monkeypatch):
+    """A second process (here: a second compile after dynamo's reset) loads
+    the compiled graphs from torch's cache, so fxshard's passes do not run;
+    the memory estimates a captured step predicts from come back from disk."""
+    from fxshard.passes.memory import load_estimates, step_transient
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold: the first compile runs the passes
+    x = torch.randn(3, 8)
+
+    def trained() -> nn.Module:
+        torch.manual_seed(0)
+        model = fxshard.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+        model(x).sum().backward()
+        return model
+
+    (first,) = trained().fxshard_plan.graphs
+    assert first.forward is not None and set(first.peaks) == {"forward", "backward"}
+    torch._dynamo.reset()
+    (again,) = trained().fxshard_plan.graphs
+    assert again.forward is None, "torch's compile cache should have skipped the passes"
+    assert again.peaks == first.peaks and again.backward_held == first.backward_held
+    assert step_transient(again) == step_transient(first) > 0
+
+    Path(again.estimates_file).write_text("{not json")
+    assert load_estimates(again.estimates_file) is None  # a damaged file is no estimate, not an error

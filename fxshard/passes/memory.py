@@ -43,7 +43,9 @@ largest tensors alive at the peak shows which values it counted.
 
 from __future__ import annotations
 
+import json
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,12 +198,46 @@ def step_transient(record: Any) -> int | None:
     to the memory its caller holds, in bytes: the larger of the forward's
     intermediates and the backward's peak less the forward inputs it holds
     (parameter shards and the user's inputs, which the caller holds anyway).
-    None before the graph was compiled in this process."""
+    None when no estimate exists for the graph."""
     forward = record.peaks.get("forward") or record.peaks.get("inference")
     if forward is None:
         return None
     backward = record.peaks.get("backward")
-    if backward is None or record.backward is None:
+    if backward is None or record.backward_held is None:
         return forward.intermediates
-    held = sum(nbytes(n) for n in record.backward.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
-    return max(forward.intermediates, backward.total - held)
+    return max(forward.intermediates, backward.total - record.backward_held)
+
+
+def held_inputs(graph: fx.Graph) -> int:
+    """Bytes of a backward's inputs that the caller holds (see the Note)."""
+    return sum(nbytes(n) for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+
+
+# [Note: estimates of cached graphs]
+# When torch loads a compiled graph from its compile cache (AOTAutograd's),
+# fxshard's passes do not run, so there is nothing to estimate from. Each
+# estimate is therefore also written to a small JSON file in torch's cache
+# folder, named by what decides the compiled graph (fxshard's cache key,
+# the captured graph's code, the input shapes), and read back on a hit.
+
+
+def save_estimates(path: str, peaks: dict[str, GraphPeak], backward_held: int | None) -> None:
+    data = {"peaks": {k: [p.inputs, p.intermediates, p.at, p.largest] for k, p in peaks.items()},
+            "backward_held": backward_held}  # fmt: skip
+    tmp = f"{path}.{os.getpid()}.tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def load_estimates(path: str) -> tuple[dict[str, GraphPeak], int | None] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        peaks = {k: GraphPeak(int(a), int(b), str(at), tuple((str(n), int(size)) for n, size in largest))
+                 for k, (a, b, at, largest) in data["peaks"].items()}  # fmt: skip
+        held = data["backward_held"]
+        return peaks, None if held is None else int(held)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -40,7 +40,7 @@ from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
 from fxshard.passes.lower import lower_collectives_pass, op_arguments
 from fxshard.passes.markers import full_weight_views, is_unshard
-from fxshard.passes.memory import GraphPeak, graph_peak
+from fxshard.passes.memory import GraphPeak, graph_peak, held_inputs, load_estimates, save_estimates
 from fxshard.passes.outline import (
     OutlineRecord,
     outline_blocks_pass,
@@ -98,6 +98,8 @@ class GraphRecord:
     reports: dict[str, GraphReport] = field(default_factory=dict)
     schedules: dict[str, Schedule] = field(default_factory=dict)
     peaks: dict[str, GraphPeak] = field(default_factory=dict)  # the liveness estimate per phase
+    backward_held: int | None = None  # bytes of the backward's inputs its caller holds (memory.held_inputs)
+    estimates_file: str | None = None  # where the estimates outlive the process (see [Note: estimates of cached graphs])
     buffer_plans: dict[str, BufferPlan] = field(default_factory=dict)  # the static buffer plan per phase
     units: str = ""  # the model's units, as formatted for the summary
     sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
@@ -215,8 +217,16 @@ class FXShardBackend:
         record.collectives = collective_lines(record.captured, units)
         compile_graph = functools.partial(self._compile_graph, record, dumper)
         if self.spec.compiler == "inductor":
-            patches = compat.inductor_config_patches(_JointTagPass(self, dumper))
-            return compat.compile_fx(record.captured, example_inputs, inner_compile=compile_graph, config_patches=patches)
+            joint_pass = _JointTagPass(self, dumper)
+            record.estimates_file = _estimates_file(joint_pass.uuid(), record.captured, example_inputs)
+            patches = compat.inductor_config_patches(joint_pass)
+            compiled = compat.compile_fx(record.captured, example_inputs, inner_compile=compile_graph,
+                                         config_patches=patches)  # fmt: skip
+            if not record.peaks:  # loaded from torch's cache: the passes did not run
+                loaded = load_estimates(record.estimates_file)
+                if loaded is not None:
+                    record.peaks, record.backward_held = loaded
+            return compiled
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
             joint = self.tag_joint(joint, joint_inputs, dumper)
@@ -269,6 +279,10 @@ class FXShardBackend:
             record.schedules[phase] = schedules[0]
         # A backward frees its saved activations as it goes; see [Note: peak estimate].
         record.peaks[phase] = graph_peak(gm.graph, free_inputs=phase == "backward")
+        if phase == "backward":
+            record.backward_held = held_inputs(gm.graph)
+        if record.estimates_file is not None:
+            save_estimates(record.estimates_file, record.peaks, record.backward_held)
         record.buffer_plans[phase] = plan_buffers(gm)
         setattr(record, phase, gm)
         if dumper:
@@ -290,6 +304,12 @@ class FXShardBackend:
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             saved = {record.full_weights_in_forward[n]: None for n in inputs if n in record.full_weights_in_forward}
             record.saved_full_weights = tuple(saved)
+
+
+def _estimates_file(cache_key: str, captured: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    inputs = [(tuple(x.shape), x.dtype, tuple(x.stride())) if hasattr(x, "shape") else x for x in example_inputs]
+    key = hashlib.sha256(f"{cache_key}|{captured.code}|{inputs}".encode()).hexdigest()
+    return str(Path(compat.torch_cache_dir()) / "fxshard" / "estimates" / f"{key}.json")
 
 
 def _agree_first(compiled: Any, agreement: GraphAgreement, graph: str, lines: tuple[str, ...]) -> Any:

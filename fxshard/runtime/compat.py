@@ -644,3 +644,17 @@ def call_before_destroy(fn: Callable[[], None]) -> bool:
     if not any(isinstance(c, _BeforeDestroy) and c.fn is fn for c in comms):
         comms.append(_BeforeDestroy(fn))
     return True
+
+
+def torch_cache_dir() -> str:
+    """The folder of torch's compile caches (``TORCHINDUCTOR_CACHE_DIR``)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # pragma: no cover - older layouts
+        import getpass
+        import os
+        import tempfile
+
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                         f"torchinductor_{getpass.getuser()}")
+    return cache_dir()
