@@ -76,12 +76,12 @@ SEQ = 2048
 # name: (config, batch per GPU (--batch overrides it), warm-up steps, timed steps)
 MODELS = {
     "375m": (LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
-                         tie_embeddings=False), 4, 4, 12),  # fmt: skip
+                         tie_embeddings=False), 4, 4, 12),
     "1b": (LlamaConfig(vocab=32768, dim=2048, layers=16, heads=16, hidden=5632, max_len=SEQ,
-                       tie_embeddings=False), 2, 4, 12),  # fmt: skip
+                       tie_embeddings=False), 2, 4, 12),
     "8b": (LlamaConfig(vocab=128256, dim=4096, layers=32, heads=32, hidden=14336, max_len=SEQ,
-                       tie_embeddings=False), 1, 3, 8),  # fmt: skip
-}
+                       tie_embeddings=False), 1, 3, 8),
+}  # fmt: skip
 # A smoke test of this script on CPU: --model tiny --device cpu (gloo).
 MODELS["tiny"] = (LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False), 1, 1, 2)
 SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")

@@ -101,7 +101,7 @@ MODELS = {
 SMALL_UNITS = dict(unit_mb=0.003, compile_blocks_once=False)  # several units, so prefetch and reduces matter
 CASES: dict[str, Case] = {
     **{f"bitwise-{model}-{precision}": Case(**kwargs, compile_kwargs=dict(mp_policy=mp))
-       for model, kwargs in MODELS.items() for precision, mp in (("fp32", None), ("bf16", BF16))},  # fmt: skip
+       for model, kwargs in MODELS.items() for precision, mp in (("fp32", None), ("bf16", BF16))},
     "llama-keep_full": Case(**LLAMA, compile_kwargs=dict(reshard_after_forward=False)),
     "llama-prefetch0": Case(**LLAMA, compile_kwargs=dict(**SMALL_UNITS, prefetch=0)),
     "llama-prefetch2": Case(**LLAMA, compile_kwargs=dict(**SMALL_UNITS, prefetch=2)),

@@ -132,9 +132,9 @@ SCENARIOS: dict[str, Scenario] = {
     # prefetch depths, in flat graphs (an outlined layer is never split);
     # the default 256 MiB makes each small model one unit.
     "units_per_param_prefetch0": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-6, prefetch=0,
-                                                                       compile_blocks_once=False)),  # fmt: skip
+                                                                       compile_blocks_once=False)),
     "units_small_prefetch2": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
-                                                                   compile_blocks_once=False), clip_norm=0.5),  # fmt: skip
+                                                                   compile_blocks_once=False), clip_norm=0.5),
     "units_explicit": Scenario(  # nested: layers.0.attn is a unit inside the unit of layers.0
         **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.002),
         units=lambda m: [m.layers[0], m.layers[0].attn, m.layers[1]],
@@ -142,7 +142,7 @@ SCENARIOS: dict[str, Scenario] = {
     # Each layer a call of one compiled body (see [Note: outlined blocks]);
     # the default, explicit here since blocks_once_gathers_again checks it.
     "blocks_once": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
-                                                         compile_blocks_once=True)),  # fmt: skip
+                                                         compile_blocks_once=True)),
     # The default options on a plain nn.Sequential: its activations are alike
     # blocks without weights (see [Note: outlined blocks]) and Inductor compiles.
     "sequential_defaults": Scenario(

@@ -28,8 +28,8 @@ GPU_ONLY = ("hf_mixtral", "hf_qwen3_gradient_checkpointing_reentrant_gathers_onc
 FULL_CPU_ONLY = ("hf_qwen3", "hf_mamba", "hf_jamba")
 PER_WORLD_SIZE = {
     2: [name for name in ALL if name not in GPU_ONLY
-        and (name not in FULL_CPU_ONLY or os.environ.get("FXSHARD_FULL_CPU"))],  # fmt: skip
-}
+        and (name not in FULL_CPU_ONLY or os.environ.get("FXSHARD_FULL_CPU"))],
+}  # fmt: skip
 # World size 3 (uneven shards; ranks route tokens to different experts) takes
 # 60 s for the expert loop alone on 2 cores, and ~5 minutes for all of these:
 # FXSHARD_FULL_CPU=1. tests/test_parity.py's routed_experts_differ runs at 3.
