@@ -81,8 +81,7 @@ def _check_model(model: nn.Module) -> None:
             )
         if param.dim() == 0:
             raise NotImplementedError(
-                f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. "
-                "Store it with shape (1,) instead"
+                f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. Store it with shape (1,) instead"
             )
 
 
@@ -240,9 +239,15 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     collective fxshard issues from Python is compared across ranks first, on
     a gloo group (see [Note: checked collectives])."""
     group = mesh.get_group()
-    if not rank_checks.check_collectives_enabled() or mesh.size() == 1 or compat.group_backend(group.group_name) == "fake":
+    if (
+        not rank_checks.check_collectives_enabled()
+        or mesh.size() == 1
+        or compat.group_backend(group.group_name) == "fake"
+    ):
         return
-    log.warning("fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging")
+    log.warning(
+        "fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging"
+    )
     check_group = _side_group(group, "check", backend="gloo")
     rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
 
@@ -323,8 +328,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:
         raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
     if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) or reduces_in_flight < 1:
-        raise ValueError(f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), "
-                         f"got {reduces_in_flight!r}")
+        raise ValueError(
+            f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), got {reduces_in_flight!r}"
+        )
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     if not isinstance(sharded_embeddings, bool):

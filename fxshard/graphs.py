@@ -83,8 +83,11 @@ class StepMemory:
 
     def format(self) -> str:
         gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
-        predicted = (gib(self.predicted_peak) if self.predicted_peak is not None else
-                     "none (no graph compiled in this process: torch loaded them from its compile cache)")
+        predicted = (
+            gib(self.predicted_peak)
+            if self.predicted_peak is not None
+            else "none (no graph compiled in this process: torch loaded them from its compile cache)"
+        )
         return (f"captured step memory: predicted peak {predicted}, measured {gib(self.measured_peak)} "
                 f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)})")  # fmt: skip
 

@@ -74,6 +74,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, b
 
 
 def check_results(results: list[Any]) -> None:
-    errors = [f"rank {r}:\n{res['__error__']}" for r, res in enumerate(results) if isinstance(res, dict) and "__error__" in res]
+    errors = [
+        f"rank {r}:\n{res['__error__']}"
+        for r, res in enumerate(results)
+        if isinstance(res, dict) and "__error__" in res
+    ]
     if errors:
         raise AssertionError("\n".join(errors))

@@ -77,7 +77,13 @@ def jamba() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "mixtral_expert_loop": mixtral_expert_loop, "mamba": mamba, "mamba2": mamba2, "jamba": jamba,
+    "llama": llama,
+    "qwen3": qwen3,
+    "mixtral": mixtral,
+    "mixtral_expert_loop": mixtral_expert_loop,
+    "mamba": mamba,
+    "mamba2": mamba2,
+    "jamba": jamba,
 }
 
 

@@ -188,8 +188,6 @@ def test_keep_full_weights_gathers_once(fake_pg):
     assert _nodes(record.backward, AG) == []
 
 
-
-
 def test_collective_order_filecheck(fake_pg):
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     fxshard.compile(model, backend="aot_eager", unit_mb=PER_PARAM, prefetch=0)
@@ -420,6 +418,7 @@ def test_reduces_on_their_own_group(fake_pg, monkeypatch):
 def test_compiles_on_one_mesh_share_the_reduce_group(fake_pg):
     """One reduce communicator per mesh, not one per compile (each NCCL
     communicator holds GPU memory), and a new one once the world is new."""
+
     def reduce_group(model):
         fxshard.compile(model, backend="aot_eager")
         return {p.reduce_group_name for p in model.fxshard_plan.params}

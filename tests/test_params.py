@@ -32,8 +32,9 @@ def _mlp() -> nn.Sequential:
 def _same(model: nn.Module, ref: nn.Module | list[torch.Tensor], what: str) -> None:
     expected = ref.parameters() if isinstance(ref, nn.Module) else ref
     for (name, p), q in zip(model.named_parameters(), expected):
-        torch.testing.assert_close(p.detach().full_tensor(), q.detach().to(p.device), atol=0, rtol=0,
-                                   msg=f"{what}: {name}")
+        torch.testing.assert_close(
+            p.detach().full_tensor(), q.detach().to(p.device), atol=0, rtol=0, msg=f"{what}: {name}"
+        )
 
 
 def _writes(model: nn.Module, seed: int) -> None:
@@ -193,6 +194,8 @@ def test_writes_optimizers_and_conversions(world_size):
     check_results(run_ranks(world_size, run_checks, names))
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(1, marks=full_cpu_only), 2, pytest.param(3, marks=full_cpu_only), 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=full_cpu_only), 2, pytest.param(3, marks=full_cpu_only), 4]
+)
 def test_meta_device_init(world_size):
     check_results(run_ranks(world_size, run_checks, ["meta_init_trains" if world_size == 2 else "meta_init"]))

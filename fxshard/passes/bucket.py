@@ -83,8 +83,9 @@ def _copied_members(unit: Unit, found: list[tuple[int, fx.Node]], ws: int) -> se
     return copied
 
 
-def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int, row: int,
-                dtype: torch.dtype) -> fx.Node:
+def _rank_major(
+    new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int, row: int, dtype: torch.dtype
+) -> fx.Node:
     """The reduce-scatter input, built in the graph: each gradient in the
     reduce dtype, padded to ``ws * chunk`` rows, viewed ``(ws, slot)``, and
     the members concatenated along dim 1, so row ``r`` is rank ``r``'s slots,
@@ -109,7 +110,9 @@ def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.No
     return parts[0] if len(parts) == 1 else new(_aten.cat.default, parts, 1)
 
 
-def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, units: Units | None) -> fx.GraphModule:
+def bucket_collectives_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, units: Units | None
+) -> fx.GraphModule:
     if units is None or not units.assigned:
         return gm
     graph = gm.graph

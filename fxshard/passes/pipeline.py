@@ -216,7 +216,9 @@ class FXShardBackend:
         compile_graph = functools.partial(self._compile_graph, record, dumper)
         if self.spec.compiler == "inductor":
             patches = compat.inductor_config_patches(_JointTagPass(self, dumper))
-            return compat.compile_fx(record.captured, example_inputs, inner_compile=compile_graph, config_patches=patches)
+            return compat.compile_fx(
+                record.captured, example_inputs, inner_compile=compile_graph, config_patches=patches
+            )
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
             joint = self.tag_joint(joint, joint_inputs, dumper)
@@ -242,13 +244,23 @@ class FXShardBackend:
         return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)
 
     def _compile_graph(
-        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+        self,
+        record: GraphRecord,
+        dumper: Dumper | None,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        **kwargs: Any,
     ) -> Any:
         with compat.host_syncs_allowed():  # a backward compiles lazily, inside a step
             return self._compile_phase(record, dumper, gm, example_inputs, **kwargs)
 
     def _compile_phase(
-        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+        self,
+        record: GraphRecord,
+        dumper: Dumper | None,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        **kwargs: Any,
     ) -> Any:
         phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         record.reports[phase] = graph_report(gm, phase)
@@ -284,7 +296,10 @@ class FXShardBackend:
         # nodes that produced them, so names tell what the forward saved.
         if phase == "forward":
             record.full_weights_in_forward = {
-                v.name: op_arguments(n)["param"] for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())
+                v.name: op_arguments(n)["param"]
+                for n in gm.graph.nodes
+                if is_unshard(n)
+                for v in full_weight_views(n, set())
             }
         elif phase == "backward":
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

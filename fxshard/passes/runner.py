@@ -36,7 +36,11 @@ def op_counts(gm: fx.GraphModule) -> Counter[str]:
 
 def _diff(before: Counter[str], after: Counter[str]) -> str:
     keys = sorted(set(before) | set(after))
-    parts = [f"{k.split('.')[-2] if k.count('.') > 1 else k} {after[k] - before[k]:+d}" for k in keys if after[k] != before[k]]
+    parts = [
+        f"{k.split('.')[-2] if k.count('.') > 1 else k} {after[k] - before[k]:+d}"
+        for k in keys
+        if after[k] != before[k]
+    ]
     return ", ".join(parts) or "no op-count change"
 
 

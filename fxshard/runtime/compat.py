@@ -182,8 +182,9 @@ def _drop_unsortable_config_errors(record: Any) -> bool:
     "Unexpected exception logging compilation metrics" at each compile
     (torch 2.13 leaves these keys out). The metrics are lost either way."""
     error = record.exc_info[1] if record.exc_info else None
-    return not (isinstance(error, TypeError) and "not supported between instances of" in str(error)
-                and "function" in str(error))
+    return not (
+        isinstance(error, TypeError) and "not supported between instances of" in str(error) and "function" in str(error)
+    )
 
 
 def default_store() -> Any:
@@ -455,8 +456,10 @@ def replace_local_tensor(dtensor: Any, local: torch.Tensor) -> None:
     if local.shape != old.shape or local.dtype != old.dtype or local.stride() != old.stride():
         raise ValueError(f"replacement local tensor {local.shape}/{local.dtype} does not match {old.shape}/{old.dtype}")
     if local.storage_offset() != dtensor.storage_offset():
-        raise ValueError(f"replacement local tensor starts at storage offset {local.storage_offset()}, the DTensor "
-                         f"at {dtensor.storage_offset()}; give the local tensor a storage of its own")
+        raise ValueError(
+            f"replacement local tensor starts at storage offset {local.storage_offset()}, the DTensor "
+            f"at {dtensor.storage_offset()}; give the local tensor a storage of its own"
+        )
     dtensor._local_tensor = local
 
 

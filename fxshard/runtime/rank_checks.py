@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 
 
-
 class RankMismatchError(RuntimeError):
     """Ranks were about to issue collectives that do not match."""
 

@@ -371,11 +371,15 @@ class Units:
     def reduce_start(self, unit: int, members: Sequence[int], inp: torch.Tensor) -> None:
         numel, dtype = self.reduce_layout(unit, members)
         if inp.dtype != dtype or inp.numel() != self.world_size * numel:
-            raise RuntimeError(f"fxshard: unit {unit}'s reduce input is {inp.dtype} of shape {tuple(inp.shape)}; "
-                               f"expected {self.world_size} x {numel} {dtype}")
+            raise RuntimeError(
+                f"fxshard: unit {unit}'s reduce input is {inp.dtype} of shape {tuple(inp.shape)}; "
+                f"expected {self.world_size} x {numel} {dtype}"
+            )
         if not inp.is_contiguous():
-            raise RuntimeError(f"fxshard: unit {unit}'s reduce input has strides {inp.stride()}; the collective "
-                               "reads it flat, so its rows must not be padded")
+            raise RuntimeError(
+                f"fxshard: unit {unit}'s reduce input has strides {inp.stride()}; the collective "
+                "reads it flat, so its rows must not be padded"
+            )
         key = ("reduce", unit, tuple(members))
         if key in self._pending:
             raise RuntimeError(f"fxshard: unit {unit} reduced again before its previous reduce's wait")
