@@ -67,10 +67,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fxshard  # noqa: E402
-from fxshard.runtime import compat  # noqa: E402
 import memtrace  # noqa: E402  (bench/memtrace.py: this script's folder is on sys.path)
+
+import fxshard  # noqa: E402
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+from fxshard.runtime import compat  # noqa: E402
 
 SEQ = 2048
 # name: (config, batch per GPU (--batch overrides it), warm-up steps, timed steps)

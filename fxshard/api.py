@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fxshard import checkpoint
-from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.checks import check_same_model
+from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.units import Units
@@ -176,7 +176,7 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
 # The groups fxshard adds beside a mesh's group, made once per mesh group and
 # kind: every compile on one mesh shares them. A new NCCL communicator per
 # compile would hold GPU memory for the life of the process.
-_SIDE_GROUPS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_SIDE_GROUPS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _side_group(group: Any, kind: str, backend: str | None = None) -> Any:

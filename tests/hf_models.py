@@ -5,7 +5,7 @@ Sizes are chosen so shards come out uneven at world sizes 2 and 3.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

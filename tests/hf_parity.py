@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -12,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
-from tests import hf_models
 from fxshard.runtime.compat import is_checkpoint_region
+from tests import hf_models
 from tests.parity import ATOL, RTOL, Scenario, _device, train_and_compare
 
 

@@ -12,8 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-import bench  # noqa: E402  (bench/bench.py)
 import memtrace  # noqa: E402
+
+import bench  # noqa: E402  (bench/bench.py)
 
 
 def _frame(line: int, file: str = "/tmp/torchinductor_root/ab/cabc.py") -> list[dict]:

@@ -6,7 +6,6 @@ import gc
 import weakref
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -14,11 +13,10 @@ import torch.nn as nn
 from torch.testing import FileCheck
 
 import fxshard
-from tests import models
-
 from fxshard.passes.lower import LOWERED
 from fxshard.runtime import compat
 from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
+from tests import models
 
 PER_PARAM = 1e-6  # unit_mb so small that every parameter is a unit of its own
 

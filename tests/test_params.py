@@ -9,12 +9,11 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import fxshard
 from examples.llama import RMSNorm, lm_loss, rope_tables
-import torch.distributed as dist
-
 from tests import models
 from tests.distributed import check_results, run_ranks
 

@@ -15,7 +15,12 @@ On torch 2.13 (2 ranks, this project's CPU machine) ``agrscntfun`` and
 coalesced all-gather on gloo (``compat.all_gather_coalesced_async``).
 """
 
-import os, sys, torch, torch.distributed as dist, random
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -30,7 +35,7 @@ def run(rank, ws, port, mode, iters):
         if "ng" in mode and it % 25 == 0:
             gr = dist.new_group(backend="gloo")
         pend = []
-        for k in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 4)):
             n = rng.randint(1, 5000)
             inp = torch.full((n,), float(rank + it), dtype=torch.float32)
             out = torch.empty(ws * n)

@@ -30,8 +30,8 @@ def resnet():
 
 
 def lora_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
     from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=64,

@@ -28,7 +28,8 @@ never read) are left for ``lower_collectives``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -131,7 +132,7 @@ def bucket_collectives_pass(
             full.meta[NBYTES] = token.meta[NBYTES] = unit.gather_nbytes()
             copied = _copied_members(unit, found, ws)
             views: dict[int, fx.Node] = {}
-            for j, node in found:
+            for j, _ in found:
                 if j not in views:
                     m = unit.members[j]
                     start = ws * m.offset

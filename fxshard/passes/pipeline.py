@@ -26,9 +26,10 @@ import hashlib
 import logging
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -143,7 +144,7 @@ def _source_digest() -> str:
 class _JointTagPass(compat.CustomGraphPass):
     """Inductor's hook for ``tag_unshard_pass``; its uuid keys torch's caches."""
 
-    def __init__(self, backend: "FXShardBackend", dumper: Dumper | None) -> None:
+    def __init__(self, backend: FXShardBackend, dumper: Dumper | None) -> None:
         self.backend, self.dumper = backend, dumper
 
     def __call__(self, graph: fx.Graph) -> None:

@@ -11,7 +11,8 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -79,15 +80,18 @@ __all__ = [
 # What dynamo raises for a graph break under fullgraph=True: an unsupported
 # construct, or Python control flow on tensor data (``.tolist()``, ``if x:``).
 # Under fullgraph=False dynamo turns each of these into a graph break.
-from torch._dynamo.exc import BackendCompilerFailed as _BackendCompilerFailed  # noqa: E402
-from torch._dynamo.exc import ObservedException as _ObservedException  # noqa: E402
-from torch._dynamo.exc import TorchRuntimeError as _TorchRuntimeError  # noqa: E402
-from torch._dynamo.exc import Unsupported as _Unsupported, UserError as _UserError  # noqa: E402
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
+from torch._dynamo.exc import (  # noqa: E402
+    BackendCompilerFailed as _BackendCompilerFailed,
+    ObservedException as _ObservedException,
+    TorchRuntimeError as _TorchRuntimeError,
+    Unsupported as _Unsupported,
+    UserError as _UserError,
+)
 from torch._subclasses.fake_tensor import (  # noqa: E402
     DataDependentOutputException as _DataDependentOutput,
     DynamicOutputShapeException as _DynamicOutputShape,
 )
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
 
 _GRAPH_BREAKS = (_Unsupported, _UserError, _DataDependent)
 # What the backend (AOTAutograd tracing with fake tensors) raises on an op
@@ -220,7 +224,7 @@ def skip_as_top_frame(code: Any) -> None:
     if hasattr(eval_frame, "skip_code"):
         eval_frame.skip_code(code)
         return
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy, _FrameAction, _FrameExecStrategy
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
@@ -343,7 +347,7 @@ def invoke_subgraph_op() -> Any:
 
 
 # Schemas of invoke_subgraph calls, per body graph (see below).
-_SUBGRAPH_SCHEMAS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+_SUBGRAPH_SCHEMAS: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict] = weakref.WeakKeyDictionary()
 
 
 def _cache_invoke_subgraph_schemas(op: Any) -> None:

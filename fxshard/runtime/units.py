@@ -81,8 +81,8 @@ import hashlib
 import logging
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -199,7 +199,7 @@ def _starts_slot(m: Member, slot: torch.Tensor) -> bool:
 # Units by id: compiled graphs name theirs by id. An id is a hash of the
 # layout (see ``Units._register``), so that graphs that torch caches on disk
 # fit any process that forms the same units, whatever it compiled before.
-_UNITS: "weakref.WeakValueDictionary[int, Units]" = weakref.WeakValueDictionary()
+_UNITS: weakref.WeakValueDictionary[int, Units] = weakref.WeakValueDictionary()
 
 
 class Units:
@@ -349,7 +349,7 @@ class Units:
         # gathered garbage).
         self._pending[key] = (work, sources, out)
 
-    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream a gather's cast and collective are issued on (CUDA
         only; None elsewhere). The caller forks it from the current stream, so
         the cast of a prefetched unit runs beside the compute it was issued
