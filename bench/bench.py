@@ -67,23 +67,29 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fxshard  # noqa: E402
-from fxshard.runtime import compat  # noqa: E402
 import memtrace  # noqa: E402  (bench/memtrace.py: this script's folder is on sys.path)
+
+import fxshard  # noqa: E402
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+from fxshard.runtime import compat  # noqa: E402
 
 SEQ = 2048
 # name: (config, batch per GPU (--batch overrides it), warm-up steps, timed steps)
 MODELS = {
     "375m": (LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
-                         tie_embeddings=False), 4, 4, 12),  # fmt: skip
+                         tie_embeddings=False), 4, 4, 12),
     "1b": (LlamaConfig(vocab=32768, dim=2048, layers=16, heads=16, hidden=5632, max_len=SEQ,
-                       tie_embeddings=False), 2, 4, 12),  # fmt: skip
+                       tie_embeddings=False), 2, 4, 12),
     "8b": (LlamaConfig(vocab=128256, dim=4096, layers=32, heads=32, hidden=14336, max_len=SEQ,
-                       tie_embeddings=False), 1, 3, 8),  # fmt: skip
-}
+                       tie_embeddings=False), 1, 3, 8),
+}  # fmt: skip
 # A smoke test of this script on CPU: --model tiny --device cpu (gloo).
-MODELS["tiny"] = (LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False), 1, 1, 2)
+MODELS["tiny"] = (
+    LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False),
+    1,
+    1,
+    2,
+)
 SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
 # fxshard variants, not in the default set: the keyword arguments each adds.
 FXSHARD_VARIANTS = {
@@ -308,7 +314,8 @@ def fxshard_plan_facts(model: torch.nn.Module) -> dict:
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     units = plan.units.units if plan.units is not None else []
     return dict(
-        units=len(units), unit_mib=[u.gather_nbytes() / 2**20 for u in units],
+        units=len(units),
+        unit_mib=[u.gather_nbytes() / 2**20 for u in units],
         graph_peaks_gib={k: v / 2**30 for k, v in graph_peaks.items()},
         predicted_peak_gib=(max(graph_peaks.values()) + 2 * shard_bytes) / 2**30 if graph_peaks else None,
         outlined=[g.outline.format().strip() for g in plan.graphs],
@@ -321,7 +328,9 @@ def sync() -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = "| model | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | reserved GiB | first step s | loss@10 |"
+    head = (
+        "| model | system | step ms | tokens/s/GPU | TFLOP/s/GPU | peak GiB | reserved GiB | first step s | loss@10 |"
+    )
     rows = [head, "|" + "---|" * 9]
     for r in results:
         run = f" #{r['run'] + 1}" if "run" in r else ""
@@ -378,21 +387,37 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser.add_argument("--out", default=None, help="JSON file")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test with gloo")
     parser.add_argument("--batch", type=int, default=None, help="batch per GPU (default: the model's, in MODELS)")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="processes per system (default: torchrun's, else the GPU count; 2 on CPU)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes per system (default: torchrun's, else the GPU count; 2 on CPU)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the system list this many times, interleaved")
     parser.add_argument("--timeout", type=float, default=None, help="seconds one system's run may take")
-    parser.add_argument("--only-system", choices=ALL_SYSTEMS, default=None,
-                        help="run this system in this process (what the driver starts)")
+    parser.add_argument(
+        "--only-system",
+        choices=ALL_SYSTEMS,
+        default=None,
+        help="run this system in this process (what the driver starts)",
+    )
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
-    parser.add_argument("--fake-world", type=int, default=None,
-                        help="one process, a fake process group of this many ranks: memory only (no communication "
-                             "runs, so step times and losses mean nothing)")
-    parser.add_argument("--memory-step", type=int, default=None,
-                        help="trace this step's allocations and report who holds its peak (bench/memtrace.py); "
-                             "pick a warm-up step, since recording slows it")
+    parser.add_argument(
+        "--fake-world",
+        type=int,
+        default=None,
+        help="one process, a fake process group of this many ranks: memory only (no communication "
+        "runs, so step times and losses mean nothing)",
+    )
+    parser.add_argument(
+        "--memory-step",
+        type=int,
+        default=None,
+        help="trace this step's allocations and report who holds its peak (bench/memtrace.py); "
+        "pick a warm-up step, since recording slows it",
+    )
     return parser, parser.parse_args()
 
 

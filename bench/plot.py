@@ -1,6 +1,6 @@
 """Draw step time and peak memory per system from bench.py's JSON files.
 
-    python bench/plot.py bench-375m.json bench-1b.json bench-8b.json --out bench.png
+python bench/plot.py bench-375m.json bench-1b.json bench-8b.json --out bench.png
 """
 
 from __future__ import annotations

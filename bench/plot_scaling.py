@@ -28,8 +28,10 @@ def main() -> None:
         base = by_n.get(2)
         for n, r in sorted(by_n.items()):
             eff = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.3f}" if base else "-"
-            print(f"| {model} | {system} | {n} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | "
-                  f"{r['peak_gib']:.2f} | {eff} |")
+            print(
+                f"| {model} | {system} | {n} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+                f"{r['peak_gib']:.2f} | {eff} |"
+            )
 
     import matplotlib
 

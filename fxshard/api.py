@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fxshard import checkpoint
-from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.checks import check_same_model
+from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.units import Units
@@ -81,8 +81,7 @@ def _check_model(model: nn.Module) -> None:
             )
         if param.dim() == 0:
             raise NotImplementedError(
-                f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. "
-                "Store it with shape (1,) instead"
+                f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. Store it with shape (1,) instead"
             )
 
 
@@ -177,7 +176,7 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
 # The groups fxshard adds beside a mesh's group, made once per mesh group and
 # kind: every compile on one mesh shares them. A new NCCL communicator per
 # compile would hold GPU memory for the life of the process.
-_SIDE_GROUPS: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_SIDE_GROUPS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _side_group(group: Any, kind: str, backend: str | None = None) -> Any:
@@ -240,9 +239,15 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     collective fxshard issues from Python is compared across ranks first, on
     a gloo group (see [Note: checked collectives])."""
     group = mesh.get_group()
-    if not rank_checks.check_collectives_enabled() or mesh.size() == 1 or compat.group_backend(group.group_name) == "fake":
+    if (
+        not rank_checks.check_collectives_enabled()
+        or mesh.size() == 1
+        or compat.group_backend(group.group_name) == "fake"
+    ):
         return
-    log.warning("fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging")
+    log.warning(
+        "fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging"
+    )
     check_group = _side_group(group, "check", backend="gloo")
     rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
 
@@ -323,8 +328,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:
         raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
     if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) or reduces_in_flight < 1:
-        raise ValueError(f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), "
-                         f"got {reduces_in_flight!r}")
+        raise ValueError(
+            f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), got {reduces_in_flight!r}"
+        )
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     if not isinstance(sharded_embeddings, bool):

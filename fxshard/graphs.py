@@ -44,7 +44,8 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,8 +84,11 @@ class StepMemory:
 
     def format(self) -> str:
         gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
-        predicted = (gib(self.predicted_peak) if self.predicted_peak is not None else
-                     "none (the graphs came from torch's compile cache, without fxshard's estimates)")
+        predicted = (
+            gib(self.predicted_peak)
+            if self.predicted_peak is not None
+            else "none (the graphs came from torch's compile cache, without fxshard's estimates)"
+        )
         return (f"captured step memory: predicted peak {predicted}, measured {gib(self.measured_peak)} "
                 f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)})")  # fmt: skip
 
@@ -280,7 +284,7 @@ class CapturedStep:
             raise ValueError(f"fxshard.cuda_graph: the step was captured with arguments {sig.spec}; this call "
                              f"passes {spec}. Call reset() to capture again, or keep one graph per signature")  # fmt: skip
         srcs = []
-        for (i, shape, dtype, device), static in zip(sig.tensors, self._static):
+        for i, shape, dtype, device in sig.tensors:
             t = leaves[i]
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != device:
                 got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -359,7 +363,7 @@ def cuda_graph(fn: Callable[..., Any] | None = None, *, warmup: int = 2) -> Any:
 # Every step with a graph; reset at exit and before destroy_process_group():
 # NCCL (2.28 on H200s, torch 2.11) blocks for good destroying a communicator
 # that a live graph's collectives use.
-_LIVE: "weakref.WeakSet[CapturedStep]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[CapturedStep] = weakref.WeakSet()
 
 
 def reset_all() -> None:
@@ -435,7 +439,11 @@ class _Held:
                 return False
         for opt, p, grad, state, items in self.states:
             now = opt.state.get(p)  # load_state_dict replaces the whole dict
-            if p.grad is not grad or now is not state or (now is not None and any(now.get(k) is not v for k, v in items)):
+            if (
+                p.grad is not grad
+                or now is not state
+                or (now is not None and any(now.get(k) is not v for k, v in items))
+            ):
                 return False
         return True
 

@@ -26,7 +26,8 @@ one full parameter at a time, never the full model.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -114,7 +115,7 @@ class ShardParameter(DTensor):
     def data(self, value: torch.Tensor) -> None:
         self.copy_(value)
 
-    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "ShardParameter":
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> ShardParameter:
         if isinstance(src, DTensor):
             return super().copy_(src, non_blocking)
         self.write_full(src)

@@ -53,8 +53,9 @@ import dataclasses
 import logging
 import types
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -75,8 +76,9 @@ ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # key
 
 # While set, every root module called appends itself: how ``fxshard.cuda_graph``
 # learns which models a step runs.
-CALLED_ROOTS: contextvars.ContextVar[list[nn.Module] | None] = contextvars.ContextVar("fxshard_called_roots",
-                                                                                      default=None)
+CALLED_ROOTS: contextvars.ContextVar[list[nn.Module] | None] = contextvars.ContextVar(
+    "fxshard_called_roots", default=None
+)
 
 
 class FXShardModule:
@@ -400,7 +402,11 @@ def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> DTen
 
 
 def shard_parameters(
-    model: nn.Module, mesh: DeviceMesh, device: torch.device, mp: MixedPrecision, sequenced: bool,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    device: torch.device,
+    mp: MixedPrecision,
+    sequenced: bool,
     reduce_group_name: str,
 ) -> tuple[tuple[ParamShard, ...], RootState]:
     """Shard every parameter of ``model`` in place; return the plan of each
@@ -468,6 +474,7 @@ def _seq_entry(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh)
             param.grad.to_local().add_(grad)
 
     start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+
     def trainable() -> bool:
         return module._parameters[attr].requires_grad
 

@@ -1,6 +1,36 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
+
+# [Note: full_cpu]
+# Tests marked ``full_cpu`` are slower CPU variants of checks that the default
+# run already makes (another world size, Inductor on a flat graph, more models
+# or seeds). The suite has a 10-minute budget on 2 CPU cores, so the default
+# run deselects them (not skips: the summary counts them as deselected and says
+# how to run them). FXSHARD_FULL_CPU=1 adds them; ``-m full_cpu`` runs only
+# them. Fixtures that run many cases in one set of ranks run the selected
+# cases only (tests.distributed.selected).
+_FULL_CPU_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("FXSHARD_FULL_CPU") or "full_cpu" in config.getoption("markexpr"):
+        return
+    slower = [item for item in items if item.get_closest_marker("full_cpu")]
+    if slower:
+        items[:] = [item for item in items if not item.get_closest_marker("full_cpu")]
+        config.hook.pytest_deselected(items=slower)
+    config.stash[_FULL_CPU_DESELECTED] = len(slower)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if n := config.stash.get(_FULL_CPU_DESELECTED, 0):
+        terminalreporter.write_line(
+            f"{n} deselected: slower CPU variants (marker full_cpu); "
+            "FXSHARD_FULL_CPU=1 adds them, -m full_cpu runs only them"
+        )
 
 
 def _reset() -> None:

@@ -25,8 +25,9 @@ import io
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,8 +101,11 @@ MODELS = {
 }
 SMALL_UNITS = dict(unit_mb=0.003, compile_blocks_once=False)  # several units, so prefetch and reduces matter
 CASES: dict[str, Case] = {
-    **{f"bitwise-{model}-{precision}": Case(**kwargs, compile_kwargs=dict(mp_policy=mp))
-       for model, kwargs in MODELS.items() for precision, mp in (("fp32", None), ("bf16", BF16))},  # fmt: skip
+    **{
+        f"bitwise-{model}-{precision}": Case(**kwargs, compile_kwargs=dict(mp_policy=mp))
+        for model, kwargs in MODELS.items()
+        for precision, mp in (("fp32", None), ("bf16", BF16))
+    },
     "llama-keep_full": Case(**LLAMA, compile_kwargs=dict(reshard_after_forward=False)),
     "llama-prefetch0": Case(**LLAMA, compile_kwargs=dict(**SMALL_UNITS, prefetch=0)),
     "llama-prefetch2": Case(**LLAMA, compile_kwargs=dict(**SMALL_UNITS, prefetch=2)),
@@ -300,8 +304,7 @@ def error_sequenced(rank: int, world_size: int, backend: str = "aot_eager") -> N
                               warmup=WARMUP)  # fmt: skip
     step(*_inputs(rank, device, 1)[0])
     assert model.fxshard_plan.sequenced, "the model must be on the sequenced path for this test"
-    expect_error(step, _inputs(rank, device, WARMUP), r"graph break|sequenced", model, last_call=WARMUP,
-                 calls_before=1)
+    expect_error(step, _inputs(rank, device, WARMUP), r"graph break|sequenced", model, last_call=WARMUP, calls_before=1)
 
 
 def _host_sync_step(model: nn.Module, opt: torch.optim.Optimizer, how: str) -> Callable:

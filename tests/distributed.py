@@ -10,7 +10,8 @@ import os
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -73,7 +74,24 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, b
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def selected(request: Any, argname: str, **where: Any) -> list[Any]:
+    """The values of parameter ``argname`` in the tests of the requesting
+    module that this session runs and whose other parameters equal ``where``:
+    the cases for a fixture to run in one set of ranks. A deselected case
+    (``-k``, ``-m``, [Note: full_cpu] in tests/conftest.py) does not run."""
+    values = []
+    for item in request.session.items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if item.module is request.module and argname in params and all(params.get(k) == v for k, v in where.items()):
+            values.append(params[argname])
+    return list(dict.fromkeys(values))
+
+
 def check_results(results: list[Any]) -> None:
-    errors = [f"rank {r}:\n{res['__error__']}" for r, res in enumerate(results) if isinstance(res, dict) and "__error__" in res]
+    errors = [
+        f"rank {r}:\n{res['__error__']}"
+        for r, res in enumerate(results)
+        if isinstance(res, dict) and "__error__" in res
+    ]
     if errors:
         raise AssertionError("\n".join(errors))

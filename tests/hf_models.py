@@ -5,7 +5,7 @@ Sizes are chosen so shards come out uneven at world sizes 2 and 3.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -77,7 +77,13 @@ def jamba() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "mixtral_expert_loop": mixtral_expert_loop, "mamba": mamba, "mamba2": mamba2, "jamba": jamba,
+    "llama": llama,
+    "qwen3": qwen3,
+    "mixtral": mixtral,
+    "mixtral_expert_loop": mixtral_expert_loop,
+    "mamba": mamba,
+    "mamba2": mamba2,
+    "jamba": jamba,
 }
 
 

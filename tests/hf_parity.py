@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -12,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
-from tests import hf_models
 from fxshard.runtime.compat import is_checkpoint_region
+from tests import hf_models
 from tests.parity import ATOL, RTOL, Scenario, _device, train_and_compare
 
 
@@ -21,7 +22,14 @@ def _hf_loss(out: Any, batch: Any) -> torch.Tensor:
     return out.loss  # the model computes it from labels=, as users call it
 
 
-SEQUENCED = {"mixtral_expert_loop": True, "jamba": True, "llama": False, "qwen3": False, "mamba": False, "mamba2": False}
+SEQUENCED = {
+    "mixtral_expert_loop": True,
+    "jamba": True,
+    "llama": False,
+    "qwen3": False,
+    "mamba": False,
+    "mamba2": False,
+}
 
 
 def _hf(name: str, **kwargs: Any) -> Scenario:
@@ -59,13 +67,20 @@ HF_SCENARIOS: dict[str, Scenario] = {
     "hf_llama_gradient_checkpointing": _hf("llama", prepare=_checkpointing()),
     "hf_qwen3_gradient_checkpointing_reentrant": _hf("qwen3", prepare=_checkpointing(use_reentrant=True)),
     "llama_block_checkpoint": Scenario(
-        make_model=lambda: CheckpointedLlama(LlamaConfig()), make_batch=lambda g: torch.randint(0, 37, (2, 9), generator=g),
-        loss=lm_loss, compile_kwargs=dict(backend="aot_eager"), steps=2,
+        make_model=lambda: CheckpointedLlama(LlamaConfig()),
+        make_batch=lambda g: torch.randint(0, 37, (2, 9), generator=g),
+        loss=lm_loss,
+        compile_kwargs=dict(backend="aot_eager"),
+        steps=2,
     ),
 }
 
 
-CHECKPOINTED = ("llama_block_checkpoint", "hf_llama_gradient_checkpointing", "hf_qwen3_gradient_checkpointing_reentrant")
+CHECKPOINTED = (
+    "llama_block_checkpoint",
+    "hf_llama_gradient_checkpointing",
+    "hf_qwen3_gradient_checkpointing_reentrant",
+)
 
 
 def checkpoint_gathers_once(scenario_name: str) -> Callable[[int, int], None]:

@@ -13,8 +13,9 @@ import dataclasses
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,70 +92,109 @@ SCENARIOS: dict[str, Scenario] = {
     "mamba_direct_reads": Scenario(**MAMBA, compile_kwargs=dict(backend="aot_eager")),
     "mamba_direct_reads_inductor": Scenario(**MAMBA, compile_kwargs=dict(backend="inductor")),
     "uneven_and_empty": Scenario(
-        make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
+        make_model=models.Uneven,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
         compile_kwargs=dict(backend="aot_eager"),
     ),
     "uneven_and_empty_keep_full": Scenario(
-        make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
+        make_model=models.Uneven,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
         compile_kwargs=dict(backend="aot_eager", reshard_after_forward=False),
     ),
     # Untied embedding: the lookup moves tokens, not the table (see [Note:
     # sharded lookups]); with ragged token counts it gathers on odd steps.
-    "llama_untied_ragged": Scenario(**UNTIED, make_batch=_ragged_tokens, compile_kwargs=dict(backend="aot_eager"),
-                                    steps=4),
+    "llama_untied_ragged": Scenario(
+        **UNTIED, make_batch=_ragged_tokens, compile_kwargs=dict(backend="aot_eager"), steps=4
+    ),
     "embedding_empty_shard": Scenario(
-        make_model=models.SmallVocab, make_batch=lambda g: torch.randint(0, 3, (2, 7), generator=g), loss=_mse,
+        make_model=models.SmallVocab,
+        make_batch=lambda g: torch.randint(0, 3, (2, 7), generator=g),
+        loss=_mse,
         compile_kwargs=dict(backend="aot_eager"),
     ),
     "frozen": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), freeze=("embed.", "layers.0.attn.")),
     "graph_breaks": Scenario(
-        make_model=models.GraphBreaks, make_batch=lambda g: torch.randn(4, 6, generator=g), loss=_mse,
-        compile_kwargs=dict(backend="aot_eager"), sequenced=True,
+        make_model=models.GraphBreaks,
+        make_batch=lambda g: torch.randn(4, 6, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        sequenced=True,
     ),
     "routed_experts": Scenario(
-        make_model=models.RoutedExperts, make_batch=lambda g: torch.randn(1, 3, 6, generator=g), loss=_mse,
-        compile_kwargs=dict(backend="aot_eager"), sequenced=True,
+        make_model=models.RoutedExperts,
+        make_batch=lambda g: torch.randn(1, 3, 6, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        sequenced=True,
     ),
     "two_forwards_one_backward": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), forwards_per_step=2),
     "mixed_precision_bf16": Scenario(
-        **LLAMA, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
+        **LLAMA,
+        atol=3e-2,
+        rtol=3e-2,
+        outlier_fraction=0.01,
         compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
     ),
     # Small units, two stages in flight: casts, bucketing and prefetch; the
     # layers outlined (Inductor compiles one body). llama_tied_inductor
     # compiles flat graphs (compile_blocks_once=False).
     "mixed_precision_bf16_inductor": Scenario(
-        **UNTIED, make_batch=_tokens, atol=3e-2, rtol=3e-2, outlier_fraction=0.01,
-        compile_kwargs=dict(backend="inductor", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
-                            unit_mb=0.003, prefetch=2, compile_blocks_once=True),
+        **UNTIED,
+        make_batch=_tokens,
+        atol=3e-2,
+        rtol=3e-2,
+        outlier_fraction=0.01,
+        compile_kwargs=dict(
+            backend="inductor",
+            mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32),
+            unit_mb=0.003,
+            prefetch=2,
+            compile_blocks_once=True,
+        ),
     ),
     # Units (one all-gather and one reduce-scatter each) at several sizes and
     # prefetch depths, in flat graphs (an outlined layer is never split);
     # the default 256 MiB makes each small model one unit.
-    "units_per_param_prefetch0": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-6, prefetch=0,
-                                                                       compile_blocks_once=False)),  # fmt: skip
-    "units_small_prefetch2": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
-                                                                   compile_blocks_once=False), clip_norm=0.5),  # fmt: skip
+    "units_per_param_prefetch0": Scenario(
+        **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-6, prefetch=0, compile_blocks_once=False)
+    ),
+    "units_small_prefetch2": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2, compile_blocks_once=False),
+        clip_norm=0.5,
+    ),
     "units_explicit": Scenario(  # nested: layers.0.attn is a unit inside the unit of layers.0
-        **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.002),
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.002),
         units=lambda m: [m.layers[0], m.layers[0].attn, m.layers[1]],
     ),
     # Each layer a call of one compiled body (see [Note: outlined blocks]);
     # the default, explicit here since blocks_once_gathers_again checks it.
-    "blocks_once": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2,
-                                                         compile_blocks_once=True)),  # fmt: skip
+    "blocks_once": Scenario(
+        **LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, prefetch=2, compile_blocks_once=True)
+    ),
     # The default options on a plain nn.Sequential: its activations are alike
     # blocks without weights (see [Note: outlined blocks]) and Inductor compiles.
     "sequential_defaults": Scenario(
         make_model=lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)),
-        make_batch=lambda g: torch.randn(8, 32, generator=g), loss=_mse,
+        make_batch=lambda g: torch.randn(8, 32, generator=g),
+        loss=_mse,
     ),
     # Attention, Mamba-style direct reads and grouped-expert MoE in one
     # graph, the loss computed inside forward: what a CUDA graph can capture.
-    "hybrid": Scenario(make_model=models.Hybrid, make_batch=_labeled_tokens, loss=_returned_loss,
-                       compile_kwargs=dict(backend="aot_eager"), sequenced=False),
+    "hybrid": Scenario(
+        make_model=models.Hybrid,
+        make_batch=_labeled_tokens,
+        loss=_returned_loss,
+        compile_kwargs=dict(backend="aot_eager"),
+        sequenced=False,
+    ),
     "uneven_units_prefetch1": Scenario(
-        make_model=models.Uneven, make_batch=lambda g: torch.randn(3, 5, generator=g), loss=_mse,
+        make_model=models.Uneven,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
         compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=1),
     ),
 }
@@ -238,7 +278,7 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, mismatches: list
         gens = [torch.Generator().manual_seed(1000 * step + 10 * r + i) for r in range(world_size)
                 for i in range(sc.forwards_per_step)]  # fmt: skip
         batches = [_to(sc.make_batch(g), device) for g in gens]
-        per_rank = [batches[r * sc.forwards_per_step:(r + 1) * sc.forwards_per_step] for r in range(world_size)]
+        per_rank = [batches[r * sc.forwards_per_step : (r + 1) * sc.forwards_per_step] for r in range(world_size)]
         loss = _step_loss(model, per_rank[rank], sc)
         loss.backward()
         ref_losses = [_step_loss(ref, b, sc) for b in per_rank]
@@ -450,7 +490,9 @@ def _run_one(rank: int, world_size: int, name: str) -> None:
     train_and_compare(rank, world_size, sc)
 
 
-def run_each(rank: int, world_size: int, names: list[str], run: Callable[[int, int, str], Any]) -> dict[str, str | None]:
+def run_each(
+    rank: int, world_size: int, names: list[str], run: Callable[[int, int, str], Any]
+) -> dict[str, str | None]:
     """``run(rank, world_size, name)`` for each name, each from a clean dynamo;
     map each name to None (passed) or its traceback."""
     results: dict[str, str | None] = {}
@@ -463,7 +505,11 @@ def run_each(rank: int, world_size: int, names: list[str], run: Callable[[int, i
             results[name] = None
         except Exception:
             results[name] = traceback.format_exc()
-        print(f"[rank {rank}/{world_size}] {name} {'passed' if results[name] is None else 'FAILED'} "
-              f"in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"[rank {rank}/{world_size}] {name} {'passed' if results[name] is None else 'FAILED'} "
+            f"in {time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         torch._dynamo.reset()
     return results

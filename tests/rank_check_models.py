@@ -46,6 +46,6 @@ class Chatty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         log.warning("forward of %s", "Chatty")
-        warnings.warn("Chatty warns")
+        warnings.warn("Chatty warns")  # noqa: B028 (a user's plain warn, as the test needs)
         print("Chatty prints", x)
         return self.lin(x)

@@ -12,8 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-import bench  # noqa: E402  (bench/bench.py)
 import memtrace  # noqa: E402
+
+import bench  # noqa: E402  (bench/bench.py)
 
 
 def _frame(line: int, file: str = "/tmp/torchinductor_root/ab/cabc.py") -> list[dict]:
@@ -78,8 +79,18 @@ def test_the_driver_interleaves_repeats_and_keeps_failed_runs(monkeypatch, tmp_p
         started.append(system)
         if system == "fsdp2" and started.count("fsdp2") == 2:
             return 1
-        result = dict(model="tiny", system=system, params=1, batch=1, step_ms=float(len(started)),
-                      tokens_per_s_per_gpu=1.0, tflops_per_gpu=0.0, peak_gib=0.0, first_step_s=0.0, loss_step10=4.0)
+        result = dict(
+            model="tiny",
+            system=system,
+            params=1,
+            batch=1,
+            step_ms=float(len(started)),
+            tokens_per_s_per_gpu=1.0,
+            tflops_per_gpu=0.0,
+            peak_gib=0.0,
+            first_step_s=0.0,
+            loss_step10=4.0,
+        )
         out.write_text(json.dumps(dict(meta=dict(device="cpu"), results=[result])))
         return 0
 

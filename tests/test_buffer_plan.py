@@ -182,13 +182,19 @@ def test_per_parameter_collectives_are_planned(fake_pg):
     torch.compile(f, backend=backend, fullgraph=True)(torch.randn(5, 6), s1, s2).backward()
     (record,) = backend.graphs
     forward, backward = record.buffer_plans["forward"], record.buffer_plans["backward"]
-    assert {(b.kind, b.owner) for b in forward.buffers} >= {(BufferKind.GATHER, "w1"), (BufferKind.GATHER, "w2"),
-                                                            (BufferKind.GATHER_INPUT, "w1")}  # the bf16 cast
+    assert {(b.kind, b.owner) for b in forward.buffers} >= {
+        (BufferKind.GATHER, "w1"),
+        (BufferKind.GATHER, "w2"),
+        (BufferKind.GATHER_INPUT, "w1"),
+    }  # the bf16 cast
     assert {b.kind for b in backward.buffers} >= {BufferKind.REDUCE_INPUT, BufferKind.REDUCE_OUTPUT}
     for plan in (forward, backward):
         assert _conflicts(plan) == [], plan.format()
-        collectives = [n for n in getattr(record, plan is forward and "forward" or "backward").graph.nodes
-                       if n.target in (_funcol.all_gather_into_tensor.default, _funcol.reduce_scatter_tensor.default)]
+        collectives = [
+            n
+            for n in getattr(record, plan is forward and "forward" or "backward").graph.nodes
+            if n.target in (_funcol.all_gather_into_tensor.default, _funcol.reduce_scatter_tensor.default)
+        ]
         assert sum(b.kind in (BufferKind.GATHER, BufferKind.REDUCE_OUTPUT) for b in plan.buffers) == len(collectives)
 
 

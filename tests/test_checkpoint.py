@@ -131,8 +131,9 @@ def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
     untrained.load_state_dict(torch.load(before, weights_only=False))
     torch.manual_seed(0)
     for name, value in models.TinyLlama().state_dict().items():
-        _close(untrained.state_dict()[name].full_tensor().cpu(), value, f"{name} saved before the first call",
-               exact=True)
+        _close(
+            untrained.state_dict()[name].full_tensor().cpu(), value, f"{name} saved before the first call", exact=True
+        )
     return {"trained": fresh, "untrained": untrained}
 
 
@@ -149,8 +150,7 @@ def full_state_dict_loads_into_shards(rank: int, world_size: int, model: nn.Modu
 
     model.load_state_dict(full)
     for name, value in full.items():
-        _close(model.state_dict()[name].full_tensor().cpu(), value, f"{name} loaded from a full state dict",
-               exact=True)
+        _close(model.state_dict()[name].full_tensor().cpu(), value, f"{name} loaded from a full state dict", exact=True)
     assert {n: p.to_local().data_ptr() for n, p in model.named_parameters()} == locals_before, "shards replaced"
     assert [id(p) for p in opt.param_groups[0]["params"]] == params_before
     units = model.fxshard_plan.units
@@ -229,6 +229,7 @@ def two_rank_checks(rank: int, world_size: int, path: str) -> dict:
             built[name] = _compiled(models.TinyLlama, seed)
             _llama_steps(built[name], _adamw(built[name]), range(1))
         return built[name]
+
     checks = {"torch_save": lambda: built.update(torch_save_resumes(rank, world_size)),
               "full_load": lambda: full_state_dict_loads_into_shards(rank, world_size, model("untrained", 2)),
               "full_export": lambda: full_export_loads_into_plain_model(rank, world_size, model("trained", 0))}  # fmt: skip

@@ -12,6 +12,7 @@ from tests import cuda_graph_checks as checks
 from tests.distributed import check_results, run_ranks
 
 
+@pytest.mark.full_cpu  # 13 s on 2 cores; the one-rank test below checks the same error
 def test_cpu_model_on_two_gloo_ranks():
     """The Hybrid on CPU, 2 gloo ranks: an error at the capture at the
     latest, before its collectives; the model then trains without the graph."""

@@ -33,8 +33,9 @@ def _both_compilers(scenarios: dict[str, Scenario], checks: list[str]) -> list[s
 
 
 GROUPS = {
-    "core": _both_compilers(SCENARIOS, ["eval_no_grad", "routed_experts_differ", "sharded_lookups",
-                                          "dropped_model_frees_memory"]),
+    "core": _both_compilers(
+        SCENARIOS, ["eval_no_grad", "routed_experts_differ", "sharded_lookups", "dropped_model_frees_memory"]
+    ),
     "hf": _both_compilers(HF_SCENARIOS, list(HF_CHECKS)),
 }
 CASES = [(group, check) for group, checks in GROUPS.items() for check in checks]

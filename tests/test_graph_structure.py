@@ -6,7 +6,6 @@ import gc
 import weakref
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -14,11 +13,10 @@ import torch.nn as nn
 from torch.testing import FileCheck
 
 import fxshard
-from tests import models
-
 from fxshard.passes.lower import LOWERED
 from fxshard.runtime import compat
 from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
+from tests import models
 
 PER_PARAM = 1e-6  # unit_mb so small that every parameter is a unit of its own
 
@@ -186,8 +184,6 @@ def test_keep_full_weights_gathers_once(fake_pg):
     record = _train_once(models.TinyLlama(), reshard_after_forward=False)
     assert record.saved_full_weights, "reshard_after_forward=False must keep full weights"
     assert _nodes(record.backward, AG) == []
-
-
 
 
 def test_collective_order_filecheck(fake_pg):
@@ -420,6 +416,7 @@ def test_reduces_on_their_own_group(fake_pg, monkeypatch):
 def test_compiles_on_one_mesh_share_the_reduce_group(fake_pg):
     """One reduce communicator per mesh, not one per compile (each NCCL
     communicator holds GPU memory), and a new one once the world is new."""
+
     def reduce_group(model):
         fxshard.compile(model, backend="aot_eager")
         return {p.reduce_group_name for p in model.fxshard_plan.params}

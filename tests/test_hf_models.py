@@ -7,13 +7,11 @@ the models whose parameter reads differ between ranks (MoE expert loops).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("transformers")
 
-from tests.distributed import check_results, run_ranks  # noqa: E402
+from tests.distributed import check_results, run_ranks, selected  # noqa: E402
 from tests.hf_parity import CHECKPOINTED, HF_CHECKS, HF_SCENARIOS  # noqa: E402
 
 # The checkpointed scenarios run inside their *_gathers_once checks.
@@ -24,33 +22,35 @@ ALL = [name for name in HF_SCENARIOS if name not in CHECKPOINTED] + list(HF_CHEC
 GPU_ONLY = ("hf_mixtral", "hf_qwen3_gradient_checkpointing_reentrant_gathers_once")
 # CPU time: Qwen3 is Llama with q/k norms, and Jamba's mixer is Mamba's (Jamba took
 # 186 of the 253 s of this group: dynamo retraces transformers at each graph
-# break); they run on the GPUs and with FXSHARD_FULL_CPU=1.
+# break); they run on the GPUs and under [Note: full_cpu].
 FULL_CPU_ONLY = ("hf_qwen3", "hf_mamba", "hf_jamba")
-PER_WORLD_SIZE = {
-    2: [name for name in ALL if name not in GPU_ONLY
-        and (name not in FULL_CPU_ONLY or os.environ.get("FXSHARD_FULL_CPU"))],  # fmt: skip
-}
 # World size 3 (uneven shards; ranks route tokens to different experts) takes
 # 60 s for the expert loop alone on 2 cores, and ~5 minutes for all of these:
-# FXSHARD_FULL_CPU=1. tests/test_parity.py's routed_experts_differ runs at 3.
-if os.environ.get("FXSHARD_FULL_CPU"):
-    PER_WORLD_SIZE[3] = ["hf_mixtral_expert_loop", "hf_llama", "hf_qwen3", "hf_mamba", "hf_mamba2", "hf_jamba"]
+# [Note: full_cpu]. tests/test_parity.py's routed_experts_differ runs at 3.
+WORLD_SIZE_3 = ("hf_mixtral_expert_loop", "hf_llama", "hf_qwen3", "hf_mamba", "hf_mamba2", "hf_jamba")
+FULL_CPU = [pytest.mark.full_cpu]
+CASES = [
+    *(
+        pytest.param(2, name, id=f"ws2-{name}", marks=FULL_CPU if name in FULL_CPU_ONLY else [])
+        for name in ALL
+        if name not in GPU_ONLY
+    ),
+    *(pytest.param(3, name, id=f"ws3-{name}", marks=FULL_CPU) for name in WORLD_SIZE_3),
+]
 
 
-@pytest.fixture(scope="module", params=sorted(PER_WORLD_SIZE), ids=lambda ws: f"ws{ws}")
+@pytest.fixture(scope="module")
 def hf_run(request):
+    """Every selected model of one world size, in one set of ranks."""
     from tests.parity import run_all
 
     world_size = request.param
-    results = run_ranks(world_size, run_all, PER_WORLD_SIZE[world_size], timeout=900)
+    results = run_ranks(world_size, run_all, selected(request, "check", hf_run=world_size), timeout=900)
     check_results(results)
-    return world_size, results
+    return results
 
 
-@pytest.mark.parametrize("check", ALL)
+@pytest.mark.parametrize("hf_run, check", CASES, indirect=["hf_run"], scope="module")
 def test_hf_model_matches_unsharded(hf_run, check):
-    world_size, results = hf_run
-    if check not in PER_WORLD_SIZE[world_size]:
-        pytest.skip(f"{check} does not run at world size {world_size} on CPU (CPU time)")
-    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check] is not None]
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(hf_run) if res[check] is not None]
     assert not failures, "\n".join(failures)

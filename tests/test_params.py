@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import fxshard
 from examples.llama import RMSNorm, lm_loss, rope_tables
-import torch.distributed as dist
-
 from tests import models
 from tests.distributed import check_results, run_ranks
 
@@ -32,8 +30,9 @@ def _mlp() -> nn.Sequential:
 def _same(model: nn.Module, ref: nn.Module | list[torch.Tensor], what: str) -> None:
     expected = ref.parameters() if isinstance(ref, nn.Module) else ref
     for (name, p), q in zip(model.named_parameters(), expected):
-        torch.testing.assert_close(p.detach().full_tensor(), q.detach().to(p.device), atol=0, rtol=0,
-                                   msg=f"{what}: {name}")
+        torch.testing.assert_close(
+            p.detach().full_tensor(), q.detach().to(p.device), atol=0, rtol=0, msg=f"{what}: {name}"
+        )
 
 
 def _writes(model: nn.Module, seed: int) -> None:
@@ -181,18 +180,16 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     return {}
 
 
-# CPU time on 2 cores: world sizes 1 and 3 run on the GPUs (1) and with
-# FXSHARD_FULL_CPU=1; 2 and 4 always (uneven rows at 2, an empty shard at 4).
-FULL_CPU = bool(os.environ.get("FXSHARD_FULL_CPU"))
-full_cpu_only = pytest.mark.skipif(not FULL_CPU, reason="CPU time: set FXSHARD_FULL_CPU=1 (runs on the GPU gate too)")
-
-
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=full_cpu_only)])
+# CPU time on 2 cores: world sizes 1 and 3 run on the GPUs (1) and under
+# [Note: full_cpu]; 2 and 4 always (uneven rows at 2, an empty shard at 4).
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full_cpu)])
 def test_writes_optimizers_and_conversions(world_size):
     names = ["writes", "optimizer_before_compile", "conversions"]
     check_results(run_ranks(world_size, run_checks, names))
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(1, marks=full_cpu_only), 2, pytest.param(3, marks=full_cpu_only), 4])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=pytest.mark.full_cpu), 2, pytest.param(3, marks=pytest.mark.full_cpu), 4]
+)
 def test_meta_device_init(world_size):
     check_results(run_ranks(world_size, run_checks, ["meta_init_trains" if world_size == 2 else "meta_init"]))

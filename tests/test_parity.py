@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.distributed import check_results, run_ranks
+from tests.distributed import check_results, run_ranks, selected
 from tests.parity import SCENARIOS, run_all
 
 # routed_experts runs inside routed_experts_differ, llama_untied_ragged inside
@@ -24,15 +22,15 @@ MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 
 
 # llama_tied_inductor (flat graphs under Inductor, 33 s on 2 cores) runs on the
-# GPUs and with FXSHARD_FULL_CPU=1. Inductor still compiles flat graphs here in
+# GPUs and under [Note: full_cpu]. Inductor still compiles flat graphs here in
 # mamba_direct_reads_inductor (its blocks are not outlined) and outlined
 # layers in mixed_precision_bf16_inductor.
-FULL_CPU_ONLY = () if os.environ.get("FXSHARD_FULL_CPU") else ("llama_tied_inductor",)
+FULL_CPU_CHECKS = ("llama_tied_inductor",)
 
 
 def _checks_for(world_size: int) -> list[str]:
     if world_size in INDUCTOR_WORLD_SIZES:
-        return [c for c in CHECKS if c not in FULL_CPU_ONLY]
+        return CHECKS
     # Ranks must route differently, and lookups are sharded only across ranks:
     # world size 1 has nothing to compare. The lookup checks run at 2 and 4
     # (uneven rows at both, an empty shard at 4).
@@ -40,18 +38,25 @@ def _checks_for(world_size: int) -> list[str]:
     return checks + (["routed_experts_differ"] if world_size > 1 else [])
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda ws: f"ws{ws}")
+def _cases() -> list:
+    """(world size, check): a test for each check at each world size it runs at."""
+    return [
+        pytest.param(ws, check, id=f"ws{ws}-{check}", marks=[pytest.mark.full_cpu] if check in FULL_CPU_CHECKS else [])
+        for ws in (1, 2, 3, 4)
+        for check in _checks_for(ws)
+    ]
+
+
+@pytest.fixture(scope="module")
 def parity_run(request):
+    """Every selected check of one world size, in one set of ranks."""
     world_size = request.param
-    results = run_ranks(world_size, run_all, _checks_for(world_size), timeout=900)
+    results = run_ranks(world_size, run_all, selected(request, "check", parity_run=world_size), timeout=900)
     check_results(results)
-    return world_size, results
+    return results
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("parity_run, check", _cases(), indirect=["parity_run"], scope="module")
 def test_matches_unsharded_reference(parity_run, check):
-    world_size, results = parity_run
-    if check not in _checks_for(world_size):
-        pytest.skip(f"{check} does not run at world size {world_size} (CPU time on 2 cores)")
-    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check] is not None]
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(parity_run) if res[check] is not None]
     assert not failures, "\n".join(failures)

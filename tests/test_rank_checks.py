@@ -26,7 +26,6 @@ from tests.distributed import check_results, run_ranks
 from tests.parity import run_each
 
 
-
 def _raises_on_every_rank(fn, error_type, *matches: str) -> None:
     try:
         fn()
@@ -91,8 +90,18 @@ def gpt2_one_graph(rank: int, world_size: int) -> None:
     from tests.parity import Scenario, train_and_compare
 
     def make() -> nn.Module:
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # parity: no dropout
+        return GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2,
+                n_embd=32,
+                n_head=2,
+                vocab_size=64,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )  # parity: no dropout
 
     def batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, 64, (2, 8), generator=gen)

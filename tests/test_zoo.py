@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.distributed import check_results, run_ranks
+from tests.distributed import check_results, run_ranks, selected
 from tests.zoo import failures, parse_seeds, run_seeds
 
 # (backend, world size) -> seeds. Together they cover every part kind and
@@ -25,10 +25,9 @@ CI_SEEDS: dict[tuple[str, int], list[int]] = {
     ("inductor", 3): [34],
 }
 # CPU time on 2 cores (an Inductor seed compiles for 20-30 s): the first
-# Inductor seed at 2 ranks always, the rest on the GPUs and with FXSHARD_FULL_CPU=1.
-if not os.environ.get("FXSHARD_FULL_CPU"):
-    CI_SEEDS = {**CI_SEEDS, ("inductor", 2): [59]}
-    del CI_SEEDS[("inductor", 3)]
+# Inductor seed at 2 ranks always, the rest on the GPUs and under
+# [Note: full_cpu]; (backend, world size, seed).
+FULL_CPU_SEEDS = {("inductor", 2, 4), ("inductor", 3, 34)}
 # (backend, world size, seed) -> the fxshard bug it hits; xfail(strict=True).
 # Seed 59 (an nn.Sequential's ReLUs outlined under Inductor) failed before
 # outlined bodies stopped donating inputs (see [Note: subgraph donation]).
@@ -48,7 +47,7 @@ def zoo_run(request) -> tuple[list[int], dict[int, str]]:
     ``pytest.param``): the seeds that ran, and the failed ones with why."""
     backend, world_size = request.param
     if request.param not in _RUNS:
-        seeds = parse_seeds(MORE_SEEDS) if MORE_SEEDS else CI_SEEDS[(backend, world_size)]
+        seeds = parse_seeds(MORE_SEEDS) if MORE_SEEDS else selected(request, "seed", zoo_run=request.param)
         results = run_ranks(world_size, run_seeds, seeds, backend, timeout=900)
         check_results(results)
         _RUNS[request.param] = seeds, failures(results)
@@ -61,6 +60,8 @@ def _cases() -> list:
         for seed in seeds:
             bug = KNOWN_FAILURES.get((backend, world_size, seed))
             marks = [pytest.mark.xfail(reason=bug, strict=True)] if bug else []
+            if (backend, world_size, seed) in FULL_CPU_SEEDS:
+                marks.append(pytest.mark.full_cpu)
             cases.append(pytest.param((backend, world_size), seed, marks=marks, id=f"{backend}-ws{world_size}-{seed}"))
     return cases
 
@@ -73,8 +74,20 @@ def test_zoo_seed(zoo_run, seed):
     assert seed not in failed, failed.get(seed)
 
 
+def _groups() -> list:
+    """(backend, world size), full_cpu where every CI seed of it is."""
+    return [
+        pytest.param(
+            key,
+            id=f"{key[0]}-ws{key[1]}",
+            marks=[pytest.mark.full_cpu] if all((*key, seed) in FULL_CPU_SEEDS for seed in seeds) else [],
+        )
+        for key, seeds in sorted(CI_SEEDS.items())
+    ]
+
+
 @pytest.mark.skipif(not MORE_SEEDS, reason="set FXSHARD_ZOO_SEEDS to run more seeds")
-@pytest.mark.parametrize("zoo_run", sorted(CI_SEEDS), indirect=True, ids=lambda key: f"{key[0]}-ws{key[1]}")
+@pytest.mark.parametrize("zoo_run", _groups(), indirect=True)
 def test_zoo_seeds(zoo_run):
     """Every seed of FXSHARD_ZOO_SEEDS, the failures reported together."""
     seeds, failed = zoo_run

@@ -14,27 +14,36 @@ On torch 2.13 (2 ranks, this project's CPU machine) ``agrscntfun`` and
 "free(): invalid pointer" within 3000, which is why fxshard never uses the
 coalesced all-gather on gloo (``compat.all_gather_coalesced_async``).
 """
-import os, sys, torch, torch.distributed as dist, random
+
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
 
 def run(rank, ws, port, mode, iters):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ws)
-    ga = dist.new_group(backend="gloo"); gr = dist.new_group(backend="gloo")
+    ga = dist.new_group(backend="gloo")
+    gr = dist.new_group(backend="gloo")
     rng = random.Random(0)
     for it in range(iters):
         if "ng" in mode and it % 25 == 0:
             gr = dist.new_group(backend="gloo")
         pend = []
-        for k in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 4)):
             n = rng.randint(1, 5000)
             inp = torch.full((n,), float(rank + it), dtype=torch.float32)
             out = torch.empty(ws * n)
             if "ag" in mode:
                 pend.append(("ag", n, it, dist.all_gather_into_tensor(out, inp, group=ga, async_op=True), out, inp))
             if "co" in mode:
-                ins = [inp[: n // 2], inp[n // 2 :]]; outs = [torch.empty(ws * t.numel()) for t in ins]
+                ins = [inp[: n // 2], inp[n // 2 :]]
+                outs = [torch.empty(ws * t.numel()) for t in ins]
                 pend.append(("co", n, it, ga.allgather_into_tensor_coalesced(outs, ins), outs, ins))
             if "rs" in mode:
                 rin = torch.full((ws * n,), float(rank + 1))
@@ -62,10 +71,17 @@ def run(rank, ws, port, mode, iters):
                 exp = torch.full((n,), float(sum(r + 1 for r in range(ws))))
             assert torch.equal(out, exp), (kind, n, i)
     dist.destroy_process_group()
-    if rank == 0: print("ok", mode)
+    if rank == 0:
+        print("ok", mode)
+
 
 if __name__ == "__main__":
-    mode = sys.argv[1]; iters = int(sys.argv[2])
+    mode = sys.argv[1]
+    iters = int(sys.argv[2])
     import socket
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
     mp.spawn(run, args=(2, port, mode, iters), nprocs=2)

@@ -70,8 +70,11 @@ def equality(mesh) -> None:
         got = [graphed(t).detach().clone() for t in data]
         same_loss = all(torch.equal(a, b) for a, b in zip(ref, got))
         same_params = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(m1.parameters(), m2.parameters()))
-        print(f"rank {dist.get_rank()} mp={mp}: losses equal {same_loss}, shards equal {same_params}; "
-              f"{graphed.memory.format()}", flush=True)
+        print(
+            f"rank {dist.get_rank()} mp={mp}: losses equal {same_loss}, shards equal {same_params}; "
+            f"{graphed.memory.format()}",
+            flush=True,
+        )
         if not same_loss:
             print("  plain", [x.item() for x in ref], "\n  graph", [x.item() for x in got], flush=True)
         graphed.reset()
@@ -119,8 +122,11 @@ def timing(mesh, name: str, batch: int) -> list:
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times[5:]) * 1e3
         extra = step.memory.format() if graphed else ""
-        print(f"rank {dist.get_rank()} {name} batch {batch} graphed={graphed}: {ms:.1f} ms, loss {loss.item():.4f}, "
-              f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB {extra}", flush=True)
+        print(
+            f"rank {dist.get_rank()} {name} batch {batch} graphed={graphed}: {ms:.1f} ms, loss {loss.item():.4f}, "
+            f"max reserved {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB {extra}",
+            flush=True,
+        )
         out.append(step)
         del model, opt
     return out
@@ -145,8 +151,10 @@ def main() -> None:
         fxshard.graphs.reset_all()
     t0 = time.perf_counter()
     dist.destroy_process_group()
-    print(f"rank {rank}: destroy_process_group took {time.perf_counter() - t0:.1f} s with {len(keep)} steps alive",
-          flush=True)
+    print(
+        f"rank {rank}: destroy_process_group took {time.perf_counter() - t0:.1f} s with {len(keep)} steps alive",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

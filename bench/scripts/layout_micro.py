@@ -11,8 +11,17 @@ import torch
 
 ws = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 dev = "cuda"
-shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
-          (14336, 4096), (14336, 4096), (4096, 14336), (4096,), (4096,)]
+shapes = [
+    (4096, 4096),
+    (1024, 4096),
+    (1024, 4096),
+    (4096, 4096),
+    (14336, 4096),
+    (14336, 4096),
+    (4096, 14336),
+    (4096,),
+    (4096,),
+]
 grads = [torch.randn(s, device=dev, dtype=torch.bfloat16) for s in shapes]
 rows = [g.reshape(g.shape[0], -1) for g in grads]
 chunk = [-(-r.shape[0] // ws) for r in rows]
@@ -29,7 +38,7 @@ def chunk_cat():
 views = []
 off = 0
 for r, c, s in zip(rows, chunk, slot):
-    views.append(out[:, off:off + s].view(ws, c, r.shape[1]))
+    views.append(out[:, off : off + s].view(ws, c, r.shape[1]))
     off += s
 
 
@@ -76,10 +85,15 @@ def bench(fn, name, nb=nbytes):
 
 
 ref = out.clone()
-chunk_cat(); ref.copy_(out)
-print(f"{torch.cuda.get_device_name()} torch {torch.__version__} ws={ws} params/block={sum(g.numel() for g in grads)/1e6:.1f}M")
+chunk_cat()
+ref.copy_(out)
+print(
+    f"{torch.cuda.get_device_name()} torch {torch.__version__} ws={ws} params/block={sum(g.numel() for g in grads) / 1e6:.1f}M"
+)
 bench(chunk_cat, "_chunk_cat bf16->fp32")
-out.zero_(); per_member_copy(); assert torch.equal(out, ref)
+out.zero_()
+per_member_copy()
+assert torch.equal(out, ref)
 bench(per_member_copy, "per-member copy_")
 assert torch.equal(inductor_cat(grads), ref)
 bench(inductor, "inductor cat (fresh out)")

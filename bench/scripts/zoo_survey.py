@@ -58,7 +58,7 @@ def _summary_line(seed: int, entries: list[dict], args: argparse.Namespace, died
     seconds = max((e["seconds"] for e in entries), default=float("nan"))
     head = f"{args.backend} ws{args.world_size} seed {seed} {'FAIL' if errors else 'PASS'} {seconds:.1f} s | " \
            f"{plan(seed).describe()}"  # fmt: skip
-    detail = "".join(f"\n    {line}" for e in errors for line in e.strip().splitlines()[-args.lines:])
+    detail = "".join(f"\n    {line}" for e in errors for line in e.strip().splitlines()[-args.lines :])
     return head + detail
 
 
@@ -91,7 +91,7 @@ def main() -> None:
                 counts[line.split(" | ")[0].split()[4]] += 1
                 out.write(line + "\n")
                 print(line, flush=True)
-        todo = todo[len(done):] if done else todo[1:]
+        todo = todo[len(done) :] if done else todo[1:]
     print(f"{args.backend} ws{args.world_size}: {counts['PASS'] + counts['FAIL']} seeds, {counts['FAIL']} failed, "
           f"{time.perf_counter() - start:.0f} s", file=sys.stderr)  # fmt: skip
 

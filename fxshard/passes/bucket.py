@@ -28,7 +28,8 @@ never read) are left for ``lower_collectives``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -83,8 +84,9 @@ def _copied_members(unit: Unit, found: list[tuple[int, fx.Node]], ws: int) -> se
     return copied
 
 
-def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int, row: int,
-                dtype: torch.dtype) -> fx.Node:
+def _rank_major(
+    new: _Inserter, members: Sequence[Member], grads: Sequence[fx.Node], ws: int, row: int, dtype: torch.dtype
+) -> fx.Node:
     """The reduce-scatter input, built in the graph: each gradient in the
     reduce dtype, padded to ``ws * chunk`` rows, viewed ``(ws, slot)``, and
     the members concatenated along dim 1, so row ``r`` is rank ``r``'s slots,
@@ -109,7 +111,9 @@ def _rank_major(new: _Inserter, members: Sequence[Member], grads: Sequence[fx.No
     return parts[0] if len(parts) == 1 else new(_aten.cat.default, parts, 1)
 
 
-def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, units: Units | None) -> fx.GraphModule:
+def bucket_collectives_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, units: Units | None
+) -> fx.GraphModule:
     if units is None or not units.assigned:
         return gm
     graph = gm.graph
@@ -128,7 +132,7 @@ def bucket_collectives_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
             full.meta[NBYTES] = token.meta[NBYTES] = unit.gather_nbytes()
             copied = _copied_members(unit, found, ws)
             views: dict[int, fx.Node] = {}
-            for j, node in found:
+            for j, _ in found:
                 if j not in views:
                     m = unit.members[j]
                     start = ws * m.offset

@@ -148,7 +148,9 @@ def _blocks(graph: fx.Graph, live: Liveness, free_inputs: bool) -> list[tuple[in
         elif isinstance(n.meta.get("val"), (list, tuple)):
             for i, v in enumerate(n.meta["val"]):
                 items = [u for u in n.users if u.target is operator.getitem and u.args[1] == i]
-                blocks.append((p, max((live.read[u] for u in items), default=p), value_nbytes(v), f"{n.name}[{i}]", False))
+                blocks.append(
+                    (p, max((live.read[u] for u in items), default=p), value_nbytes(v), f"{n.name}[{i}]", False)
+                )
         else:
             start = live.pos[n.args[0]] if n.target in _ALLOCATED_BY_START else p
             blocks.append((start, live.read[n], nbytes(n), n.name, False))

@@ -26,9 +26,10 @@ import hashlib
 import logging
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -99,7 +100,9 @@ class GraphRecord:
     schedules: dict[str, Schedule] = field(default_factory=dict)
     peaks: dict[str, GraphPeak] = field(default_factory=dict)  # the liveness estimate per phase
     backward_held: int | None = None  # bytes of the backward's inputs its caller holds (memory.held_inputs)
-    estimates_file: str | None = None  # where the estimates outlive the process (see [Note: estimates of cached graphs])
+    estimates_file: str | None = (
+        None  # where the estimates outlive the process (see [Note: estimates of cached graphs])
+    )
     buffer_plans: dict[str, BufferPlan] = field(default_factory=dict)  # the static buffer plan per phase
     units: str = ""  # the model's units, as formatted for the summary
     sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
@@ -145,7 +148,7 @@ def _source_digest() -> str:
 class _JointTagPass(compat.CustomGraphPass):
     """Inductor's hook for ``tag_unshard_pass``; its uuid keys torch's caches."""
 
-    def __init__(self, backend: "FXShardBackend", dumper: Dumper | None) -> None:
+    def __init__(self, backend: FXShardBackend, dumper: Dumper | None) -> None:
         self.backend, self.dumper = backend, dumper
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -252,13 +255,23 @@ class FXShardBackend:
         return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)
 
     def _compile_graph(
-        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+        self,
+        record: GraphRecord,
+        dumper: Dumper | None,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        **kwargs: Any,
     ) -> Any:
         with compat.host_syncs_allowed():  # a backward compiles lazily, inside a step
             return self._compile_phase(record, dumper, gm, example_inputs, **kwargs)
 
     def _compile_phase(
-        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any
+        self,
+        record: GraphRecord,
+        dumper: Dumper | None,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        **kwargs: Any,
     ) -> Any:
         phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         record.reports[phase] = graph_report(gm, phase)
@@ -298,7 +311,10 @@ class FXShardBackend:
         # nodes that produced them, so names tell what the forward saved.
         if phase == "forward":
             record.full_weights_in_forward = {
-                v.name: op_arguments(n)["param"] for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())
+                v.name: op_arguments(n)["param"]
+                for n in gm.graph.nodes
+                if is_unshard(n)
+                for v in full_weight_views(n, set())
             }
         elif phase == "backward":
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

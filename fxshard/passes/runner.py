@@ -11,8 +11,9 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -36,7 +37,11 @@ def op_counts(gm: fx.GraphModule) -> Counter[str]:
 
 def _diff(before: Counter[str], after: Counter[str]) -> str:
     keys = sorted(set(before) | set(after))
-    parts = [f"{k.split('.')[-2] if k.count('.') > 1 else k} {after[k] - before[k]:+d}" for k in keys if after[k] != before[k]]
+    parts = [
+        f"{k.split('.')[-2] if k.count('.') > 1 else k} {after[k] - before[k]:+d}"
+        for k in keys
+        if after[k] != before[k]
+    ]
     return ", ".join(parts) or "no op-count change"
 
 

@@ -37,8 +37,9 @@ order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -66,7 +67,9 @@ class Schedule:
     deferred_reduces: int
 
     def format(self) -> str:
-        lines = [f"prefetch depth {self.prefetch}; {len(self.units)} units; {self.deferred_reduces} reduce waits deferred"]
+        lines = [
+            f"prefetch depth {self.prefetch}; {len(self.units)} units; {self.deferred_reduces} reduce waits deferred"
+        ]
         lines += [f"  unit {i}: {len(u)} all-gathers ({', '.join(u[:4])}{', ...' if len(u) > 4 else ''})"
                   for i, u in enumerate(self.units)]  # fmt: skip
         return "\n".join(lines) + "\n"

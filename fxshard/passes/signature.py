@@ -3,7 +3,7 @@ the graph first runs (see [Note: ranks agree on each graph])."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx

@@ -20,7 +20,8 @@ either way (FSDP2 does the same for its root module).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy

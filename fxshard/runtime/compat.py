@@ -11,7 +11,8 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -79,15 +80,18 @@ __all__ = [
 # What dynamo raises for a graph break under fullgraph=True: an unsupported
 # construct, or Python control flow on tensor data (``.tolist()``, ``if x:``).
 # Under fullgraph=False dynamo turns each of these into a graph break.
-from torch._dynamo.exc import BackendCompilerFailed as _BackendCompilerFailed  # noqa: E402
-from torch._dynamo.exc import ObservedException as _ObservedException  # noqa: E402
-from torch._dynamo.exc import TorchRuntimeError as _TorchRuntimeError  # noqa: E402
-from torch._dynamo.exc import Unsupported as _Unsupported, UserError as _UserError  # noqa: E402
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
+from torch._dynamo.exc import (  # noqa: E402
+    BackendCompilerFailed as _BackendCompilerFailed,
+    ObservedException as _ObservedException,
+    TorchRuntimeError as _TorchRuntimeError,
+    Unsupported as _Unsupported,
+    UserError as _UserError,
+)
 from torch._subclasses.fake_tensor import (  # noqa: E402
     DataDependentOutputException as _DataDependentOutput,
     DynamicOutputShapeException as _DynamicOutputShape,
 )
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _DataDependent  # noqa: E402
 
 _GRAPH_BREAKS = (_Unsupported, _UserError, _DataDependent)
 # What the backend (AOTAutograd tracing with fake tensors) raises on an op
@@ -182,8 +186,9 @@ def _drop_unsortable_config_errors(record: Any) -> bool:
     "Unexpected exception logging compilation metrics" at each compile
     (torch 2.13 leaves these keys out). The metrics are lost either way."""
     error = record.exc_info[1] if record.exc_info else None
-    return not (isinstance(error, TypeError) and "not supported between instances of" in str(error)
-                and "function" in str(error))
+    return not (
+        isinstance(error, TypeError) and "not supported between instances of" in str(error) and "function" in str(error)
+    )
 
 
 def default_store() -> Any:
@@ -219,7 +224,7 @@ def skip_as_top_frame(code: Any) -> None:
     if hasattr(eval_frame, "skip_code"):
         eval_frame.skip_code(code)
         return
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy, _FrameAction, _FrameExecStrategy
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
@@ -342,7 +347,7 @@ def invoke_subgraph_op() -> Any:
 
 
 # Schemas of invoke_subgraph calls, per body graph (see below).
-_SUBGRAPH_SCHEMAS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+_SUBGRAPH_SCHEMAS: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict] = weakref.WeakKeyDictionary()
 
 
 def _cache_invoke_subgraph_schemas(op: Any) -> None:
@@ -455,8 +460,10 @@ def replace_local_tensor(dtensor: Any, local: torch.Tensor) -> None:
     if local.shape != old.shape or local.dtype != old.dtype or local.stride() != old.stride():
         raise ValueError(f"replacement local tensor {local.shape}/{local.dtype} does not match {old.shape}/{old.dtype}")
     if local.storage_offset() != dtensor.storage_offset():
-        raise ValueError(f"replacement local tensor starts at storage offset {local.storage_offset()}, the DTensor "
-                         f"at {dtensor.storage_offset()}; give the local tensor a storage of its own")
+        raise ValueError(
+            f"replacement local tensor starts at storage offset {local.storage_offset()}, the DTensor "
+            f"at {dtensor.storage_offset()}; give the local tensor a storage of its own"
+        )
     dtensor._local_tensor = local
 
 
@@ -655,6 +662,7 @@ def torch_cache_dir() -> str:
         import os
         import tempfile
 
-        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                         f"torchinductor_{getpass.getuser()}")
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"
+        )
     return cache_dir()

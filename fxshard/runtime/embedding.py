@@ -77,7 +77,9 @@ def _all_gather(t: torch.Tensor, world_size: int, group_name: str) -> torch.Tens
     return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t.contiguous(), world_size, group_name))
 
 
-def _local_ids(indices: torch.Tensor, dim0: int, world_size: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _local_ids(
+    indices: torch.Tensor, dim0: int, world_size: int, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Every rank's ids, as rows of this rank's shard (clamped), whether the
     shard holds each one, and the shard's row count."""
     rank = dist.get_rank(compat.resolve_group(group_name))

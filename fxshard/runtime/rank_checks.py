@@ -42,11 +42,11 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 
 
 class RankMismatchError(RuntimeError):

@@ -39,8 +39,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -74,7 +74,7 @@ class _Call:
 
 
 # Weak: a deleted model's sequencer (and, through its entries, its shards) must go.
-_SEQUENCERS: "weakref.WeakValueDictionary[int, Sequencer]" = weakref.WeakValueDictionary()
+_SEQUENCERS: weakref.WeakValueDictionary[int, Sequencer] = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 

@@ -81,8 +81,8 @@ import hashlib
 import logging
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -199,7 +199,7 @@ def _starts_slot(m: Member, slot: torch.Tensor) -> bool:
 # Units by id: compiled graphs name theirs by id. An id is a hash of the
 # layout (see ``Units._register``), so that graphs that torch caches on disk
 # fit any process that forms the same units, whatever it compiled before.
-_UNITS: "weakref.WeakValueDictionary[int, Units]" = weakref.WeakValueDictionary()
+_UNITS: weakref.WeakValueDictionary[int, Units] = weakref.WeakValueDictionary()
 
 
 class Units:
@@ -349,7 +349,7 @@ class Units:
         # gathered garbage).
         self._pending[key] = (work, sources, out)
 
-    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream a gather's cast and collective are issued on (CUDA
         only; None elsewhere). The caller forks it from the current stream, so
         the cast of a prefetched unit runs beside the compute it was issued
@@ -371,11 +371,15 @@ class Units:
     def reduce_start(self, unit: int, members: Sequence[int], inp: torch.Tensor) -> None:
         numel, dtype = self.reduce_layout(unit, members)
         if inp.dtype != dtype or inp.numel() != self.world_size * numel:
-            raise RuntimeError(f"fxshard: unit {unit}'s reduce input is {inp.dtype} of shape {tuple(inp.shape)}; "
-                               f"expected {self.world_size} x {numel} {dtype}")
+            raise RuntimeError(
+                f"fxshard: unit {unit}'s reduce input is {inp.dtype} of shape {tuple(inp.shape)}; "
+                f"expected {self.world_size} x {numel} {dtype}"
+            )
         if not inp.is_contiguous():
-            raise RuntimeError(f"fxshard: unit {unit}'s reduce input has strides {inp.stride()}; the collective "
-                               "reads it flat, so its rows must not be padded")
+            raise RuntimeError(
+                f"fxshard: unit {unit}'s reduce input has strides {inp.stride()}; the collective "
+                "reads it flat, so its rows must not be padded"
+            )
         key = ("reduce", unit, tuple(members))
         if key in self._pending:
             raise RuntimeError(f"fxshard: unit {unit} reduced again before its previous reduce's wait")
