@@ -10,9 +10,10 @@ from fxshard.runtime import compat
 
 def test_invoke_subgraph_schemas_are_built_once_per_body(monkeypatch):
     """Before torch 2.12 every invoke_subgraph call traced its body again for
-    the op's schema (10 s of the 8B first step on torch 2.11). The shim
-    caches it per body graph and operand layout; symbolic or unknown
-    operands, and callables that are not graphs, still build it each time."""
+    the op's schema (10 s of the 8B first step on torch 2.11). Inside
+    fxshard's compiles the shim caches it per body graph and operand layout;
+    symbolic or unknown operands, and callables that are not graphs, still
+    build it each time. Outside them torch's own ``gen_schema`` runs."""
     traced = []
 
     class Hop:
@@ -21,17 +22,22 @@ def test_invoke_subgraph_schemas_are_built_once_per_body(monkeypatch):
             return f"schema of {identifier} {len(operands)}"
 
     monkeypatch.setattr(compat, "_torch_caches_subgraph_schemas", lambda: False)
-    compat._cache_invoke_subgraph_schemas(Hop())
     hop, body, other = Hop(), fx.GraphModule({}, fx.Graph()), fx.GraphModule({}, fx.Graph())
     x, y = torch.ones(2, 3), torch.ones(2, 3, requires_grad=True)
-    for _ in range(3):
-        assert hop.gen_schema(body, "b", x, 4) == "schema of b 2"
-    assert traced == ["b"]
-    hop.gen_schema(body, "b", y, 4)  # another operand layout
-    hop.gen_schema(other, "b", x, 4)  # another body
-    hop.gen_schema(lambda *a: a, "f", x)  # not a graph
-    hop.gen_schema(body, "b", x, object())  # an operand with no key
-    assert traced == ["b", "b", "b", "f", "b"]
+    original = Hop.gen_schema
+    with compat.subgraph_schemas_cached(hop):
+        with compat.subgraph_schemas_cached(hop):  # nested: wrapped once
+            for _ in range(3):
+                assert hop.gen_schema(body, "b", x, 4) == "schema of b 2"
+        assert traced == ["b"]
+        hop.gen_schema(body, "b", y, 4)  # another operand layout
+        hop.gen_schema(other, "b", x, 4)  # another body
+        hop.gen_schema(lambda *a: a, "f", x)  # not a graph
+        hop.gen_schema(body, "b", x, object())  # an operand with no key
+        assert traced == ["b", "b", "b", "f", "b"]
+    assert Hop.gen_schema is original  # scoped: torch's own again
+    hop.gen_schema(body, "b", x, 4)
+    assert traced[-1] == "b" and len(traced) == 6
 
 
 def test_invoke_subgraph_schemas_left_to_torch_where_it_caches(monkeypatch):
@@ -41,8 +47,8 @@ def test_invoke_subgraph_schemas_left_to_torch_where_it_caches(monkeypatch):
 
     monkeypatch.setattr(compat, "_torch_caches_subgraph_schemas", lambda: True)
     before = Hop.gen_schema
-    compat._cache_invoke_subgraph_schemas(Hop())
-    assert Hop.gen_schema is before
+    with compat.subgraph_schemas_cached(Hop()):
+        assert Hop.gen_schema is before
 
 
 @torch.compiler.nested_compile_region

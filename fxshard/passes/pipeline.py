@@ -192,7 +192,7 @@ class FXShardBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         record = GraphRecord(index=len(self.graphs), graph_break_reason=self.graph_break_reason)
         self.graphs.append(record)
-        with compat.host_syncs_allowed():
+        with compat.host_syncs_allowed(), compat.subgraph_schemas_cached():
             compiled = self._compile(record, gm, example_inputs)
         if self.agreement is None or not record.collectives:
             return compiled
@@ -262,7 +262,8 @@ class FXShardBackend:
         example_inputs: Sequence[Any],
         **kwargs: Any,
     ) -> Any:
-        with compat.host_syncs_allowed():  # a backward compiles lazily, inside a step
+        # A backward compiles lazily, inside a step.
+        with compat.host_syncs_allowed(), compat.subgraph_schemas_cached():
             return self._compile_phase(record, dumper, gm, example_inputs, **kwargs)
 
     def _compile_phase(

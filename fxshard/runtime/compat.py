@@ -340,29 +340,31 @@ def resolve_group(group_name: str) -> Any:
 def invoke_subgraph_op() -> Any:
     """torch's ``invoke_subgraph`` higher-order op (a call of a subgraph that
     AOTAutograd and Inductor compile once per body), or None without it."""
-    op = getattr(torch.ops.higher_order, "invoke_subgraph", None)
-    if op is not None:
-        _cache_invoke_subgraph_schemas(op)
-    return op
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
 
 
 # Schemas of invoke_subgraph calls, per body graph (see below).
 _SUBGRAPH_SCHEMAS: weakref.WeakKeyDictionary[torch.fx.GraphModule, dict] = weakref.WeakKeyDictionary()
 
 
-def _cache_invoke_subgraph_schemas(op: Any) -> None:
+@contextlib.contextmanager
+def subgraph_schemas_cached(op: Any = None) -> Iterator[None]:
     """Before torch 2.12 (no ``get_functionalize_schema_entry`` on the
     invoke_subgraph cache), every call of ``invoke_subgraph`` traces its body
     again to build the op's schema, once under functionalization and once
     under autograd: AOTAutograd's joint trace of 32 outlined 8B layers took
     17.8 s on torch 2.11 against 7.4 s for the same layers inline, and 19.3
     against 7.9 s (torch 2.13) for a toy model on CPU. The schema depends on
-    the body graph and the operands' types only, so it is computed once per
-    body graph and operand layout. Later torch caches it itself; this does
-    nothing there."""
+    the body graph and the operands' types only, so inside this scope (fxshard's
+    compiles) it is computed once per body graph and operand layout; outside
+    it torch's own ``gen_schema`` runs. Later torch caches it itself; this
+    does nothing there. ``op``: the higher-order op (tests pass their own)."""
+    op = invoke_subgraph_op() if op is None else op
     hop = type(op)
-    if _torch_caches_subgraph_schemas() or getattr(hop, "_fxshard_schema_cache", False):
+    if op is None or _torch_caches_subgraph_schemas() or getattr(hop.gen_schema, "_fxshard_cached", False):
+        yield  # nothing to cache, or an enclosing scope caches already
         return
+    own = "gen_schema" in hop.__dict__
     uncached = hop.gen_schema
 
     def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
@@ -375,8 +377,15 @@ def _cache_invoke_subgraph_schemas(op: Any) -> None:
             schemas[key] = uncached(self, subgraph, identifier, *operands)
         return schemas[key]
 
+    gen_schema._fxshard_cached = True
     hop.gen_schema = gen_schema
-    hop._fxshard_schema_cache = True
+    try:
+        yield
+    finally:
+        if own:
+            hop.gen_schema = uncached
+        else:
+            del hop.gen_schema
 
 
 def _torch_caches_subgraph_schemas() -> bool:
