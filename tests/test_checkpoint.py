@@ -261,7 +261,9 @@ def test_two_ranks(two_ranks, check):
 
 # World size 3 reshards 2 ranks' uneven and empty shards; world size 1 runs
 # Inductor (this file's one C++ compile).
-@pytest.mark.parametrize("world_size,backend", [(3, "aot_eager"), (1, "inductor")], ids=["ws3", "ws1-inductor"])
+# Resuming at 1 under Inductor also runs on the GPU gate (test_nccl_checkpoint_round_trip).
+@pytest.mark.parametrize("world_size,backend", [(3, "aot_eager"), pytest.param(1, "inductor", marks=pytest.mark.full_cpu)],
+                         ids=["ws3", "ws1-inductor"])  # fmt: skip
 def test_dcp_checkpoint_resumes_at_another_world_size(two_ranks, world_size, backend):
     path, results = two_ranks
     saved = results[0]["dcp_saved"]

@@ -25,9 +25,9 @@ CI_SEEDS: dict[tuple[str, int], list[int]] = {
     ("inductor", 3): [34],
 }
 # CPU time on 2 cores (an Inductor seed compiles for 20-30 s): the first
-# Inductor seed at 2 ranks always, the rest on the GPUs and under
-# [Note: full_cpu]; (backend, world size, seed).
-FULL_CPU_SEEDS = {("inductor", 2, 4), ("inductor", 3, 34)}
+# Inductor seed at 2 ranks and the first seed at 3 ranks always, the rest on
+# the GPUs and under [Note: full_cpu]; (backend, world size, seed).
+FULL_CPU_SEEDS = {("inductor", 2, 4), ("inductor", 3, 34), ("aot_eager", 3, 131), ("aot_eager", 3, 195)}
 # (backend, world size, seed) -> the fxshard bug it hits; xfail(strict=True).
 # Seed 59 (an nn.Sequential's ReLUs outlined under Inductor) failed before
 # outlined bodies stopped donating inputs (see [Note: subgraph donation]).
