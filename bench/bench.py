@@ -29,7 +29,10 @@ SDPA, SwiGLU, untied output), built from the same seed:
   a capture, then replays; the timed steps are replays only;
 - ``fxshard_capturable`` (not in the default set): ``fxshard_graph``'s step
   uncaptured, so that the two differ by the graph alone;
-- ``fxshard_flat``, ``fxshard_r2``: fxshard options (``FXSHARD_VARIANTS``).
+- ``fxshard_flat``, ``fxshard_r2``, ``fxshard_shard_frozen``: fxshard options
+  (``FXSHARD_VARIANTS``). ``--frozen-layers N`` freezes the embedding and the
+  first N layers, a frozen tower: fxshard replicates it, ``fxshard_shard_frozen``
+  and FSDP2 shard it.
 All use bf16 compute, fp32 gradient reduction, fp32 master weights and
 ``AdamW(fused=True)`` (``capturable=True`` and ``zero_grad(set_to_none=False)``
 for the last two); sequence length 2048; random tokens, the same per step
@@ -98,6 +101,7 @@ FXSHARD_VARIANTS = {
     "fxshard_r2": {"reduces_in_flight": 2},  # two reduce-scatters in flight, two reduce inputs alive
     "fxshard_capturable": {},  # fxshard_graph's step, uncaptured
     "fxshard_graph": {},  # the step in fxshard.cuda_graph
+    "fxshard_shard_frozen": {"shard_frozen": True},  # with --frozen-layers: the frozen tower sharded, not replicated
 }
 ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS)))
 # [Note: a step a CUDA graph can replay] A replay reuses the captured
@@ -111,6 +115,7 @@ GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "pers
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
 MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
+FROZEN_LAYERS = 0  # the embedding and this many first layers frozen: a frozen tower (--frozen-layers)
 
 
 FXSHARD_KWARGS: dict = {}
@@ -123,6 +128,10 @@ def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Llama(cfg)
+    if FROZEN_LAYERS:
+        model.embed.requires_grad_(False)
+        for layer in model.layers[:FROZEN_LAYERS]:
+            layer.requires_grad_(False)
     if system in FXSHARD_VARIANTS:
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
         return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **FXSHARD_VARIANTS[system]})
@@ -213,7 +222,8 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
     rank = dist.get_rank()
     model = build(system, cfg, mesh)
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=system in CAPTURABLE)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=3e-4, fused=True, capturable=system in CAPTURABLE)
     step = make_step(system, model, opt)
     batches = [tokens_for(s, rank, batch, cfg.vocab) for s in range(warmup + steps)]
     sync()
@@ -403,6 +413,9 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     )
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
+    parser.add_argument("--frozen-layers", type=int, default=0,
+                        help="freeze the embedding and this many first layers (a frozen tower); compare "
+                        "fxshard (replicates them) with fxshard_shard_frozen and fsdp2_compile")  # fmt: skip
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
     parser.add_argument(
         "--fake-world",
@@ -422,7 +435,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 
 # Options the driver passes on to each system's process as they were given.
-FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world")
+FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world",
+             "frozen_layers")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -522,8 +536,9 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 
 def main() -> None:
     parser, args = parse_args()
-    global DEVICE, PROFILE, MEMORY_STEP
+    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS
     DEVICE = args.device
+    FROZEN_LAYERS = args.frozen_layers
     PROFILE = args.profile
     MEMORY_STEP = args.memory_step
     for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):

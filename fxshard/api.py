@@ -22,10 +22,11 @@ from torch.distributed.tensor import DTensor
 from fxshard import checkpoint
 from fxshard.checks import check_same_model
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
+from fxshard.plan import ParamPlan, build_plan, format_plan
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.units import Units
-from fxshard.sharding import FXShardModule, ParamShard, RootState, shard_parameters
+from fxshard.sharding import FXShardModule, RootState, shard_parameters
 
 log = logging.getLogger("fxshard")
 
@@ -41,7 +42,7 @@ class ShardPlan:
     """
 
     mesh: DeviceMesh
-    params: tuple[ParamShard, ...]
+    params: tuple[ParamPlan, ...]  # per distinct parameter: placement, gradient reduce, lifetime, dtypes
     reshard_after_forward: bool
     mp_policy: MixedPrecision
     backend: str
@@ -78,10 +79,6 @@ def _check_model(model: nn.Module) -> None:
             raise ValueError(
                 f"parameter {name!r} is already a DTensor ({param.placements}); fxshard shards plain "
                 "parameters. Pass the model before fully_shard, distribute_tensor or another sharding"
-            )
-        if param.dim() == 0:
-            raise NotImplementedError(
-                f"parameter {name!r} is 0-dimensional; fxshard shards along dim 0. Store it with shape (1,) instead"
             )
 
 
@@ -252,6 +249,14 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
 
 
+def _write_plan(debug_dir: str, mesh: DeviceMesh, params: tuple[ParamPlan, ...]) -> None:
+    """``<debug_dir>/rank<r>/plan.txt``: one line per parameter."""
+    folder = os.path.join(debug_dir, f"rank{mesh.get_local_rank()}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "plan.txt"), "w") as f:
+        f.write(format_plan(params) + "\n" + "\n".join(p.describe() for p in params) + "\n")
+
+
 PLAN = "_fxshard_plan"  # the ShardPlan, in the root's instance __dict__
 
 
@@ -270,13 +275,17 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     reduces_in_flight: int = 1,
     debug_dir: str | os.PathLike | None = None,
     check_same_init: bool = True,
+    shard_frozen: bool = False,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
 
     Every parameter becomes a ``Shard(0)`` DTensor. Calling the module runs
     the captured graphs, rewritten to all-gather each parameter before its
     first use and reduce-scatter its gradient (averaged over the mesh) into
-    the shard's ``.grad``.
+    the shard's ``.grad``. Parameters marked with ``fxshard.no_shard``, and
+    frozen ones (``requires_grad=False``, see ``shard_frozen``), stay whole on
+    every rank as ``Replicate()`` DTensors: never gathered, a gradient
+    all-reduced (see [Note: replicated parameters] in fxshard/plan.py).
 
     - ``mesh``: a 1-D DeviceMesh; None uses all ranks of the default group
       (and starts a one-rank group if none exists and WORLD_SIZE is 1).
@@ -315,6 +324,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       first (one all-gather) and raise if any differs: ranks must start from
       the same weights. False skips it (the parameter lists are compared
       either way; see ``fxshard/checks.py``).
+    - ``shard_frozen``: False (the default) keeps parameters that are frozen
+      at compile time replicated, since they need no gather and no reduce,
+      unless together they would take more than a quarter of the device's
+      memory (then they are sharded, with a warning). True shards them.
     """
     _check_model(model)
     if backend not in BACKENDS:
@@ -337,6 +350,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(f"sharded_embeddings must be True or False, got {sharded_embeddings!r}")
     if not isinstance(compile_blocks_once, bool):
         raise ValueError(f"compile_blocks_once must be True or False, got {compile_blocks_once!r}")
+    if not isinstance(shard_frozen, bool):
+        raise ValueError(f"shard_frozen must be True or False, got {shard_frozen!r}")
     if not isinstance(check_same_init, bool):
         raise ValueError(f"check_same_init must be True or False, got {check_same_init!r}")
     if backend == "inductor":
@@ -348,15 +363,19 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
 
     reduce_group_name = _reduce_group(mesh)
     _check_collectives(mesh, reduce_group_name)
-    params, state = shard_parameters(model, mesh, _mesh_device(mesh), mp_policy, sequenced=backend == "eager",
-                                     reduce_group_name=reduce_group_name)  # fmt: skip
+    device = _mesh_device(mesh)
+    plans = build_plan(model, mesh, device, mp_policy, reduce_group_name, reshard_after_forward, shard_frozen)
+    params = tuple(plans.values())
+    state = shard_parameters(model, plans, mesh, device, sequenced=backend == "eager")
+    if debug_dir:
+        _write_plan(debug_dir, mesh, params)
     graphs: list[GraphRecord] = []
     unit_plan = None
     if backend != "eager":
         count_group = _count_group(mesh) if sharded_embeddings and mesh.size() > 1 else None
         spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
                            mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
-                           count_group, compile_blocks_once, reduces_in_flight)  # fmt: skip
+                           count_group, compile_blocks_once, reduces_in_flight, format_plan(params))  # fmt: skip
         if mesh.size() > 1:
             unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
                               reduce_group_name, explicit)  # fmt: skip

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.runtime.collectives import shard_range
+from fxshard.params import local_rows
 
 
 def install(model: nn.Module) -> None:
@@ -56,9 +56,7 @@ def _is_full(value: Any, param: DTensor) -> bool:
 
 
 def _rows_of(full: torch.Tensor, param: DTensor) -> DTensor:
-    """This rank's rows of ``full``, as a DTensor laid out like ``param``."""
-    mesh = param.device_mesh
-    start, end = shard_range(full.shape[0], mesh.size(), mesh.get_local_rank())
-    local = full.detach()[start:end].to(param.device)
-    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())  # fmt: skip
+    """This rank's rows of ``full`` (all of them, replicated), as a DTensor laid out like ``param``."""
+    local = full.detach()[slice(*local_rows(param))] if full.dim() else full.detach()
+    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())  # fmt: skip

@@ -94,7 +94,7 @@ def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink) -> G
 
 
 class ShardParameter(DTensor):
-    """A parameter's ``Shard(0)`` DTensor, as ``fxshard.compile`` registers it.
+    """A parameter's DTensor, ``Shard(0)`` or ``Replicate()``, as ``fxshard.compile`` registers it.
 
     A DTensor that is given new values by ``p.data = value`` keeps its old
     local tensor (the new one never reaches it), and ``p.copy_(full)``
@@ -130,11 +130,19 @@ class ShardParameter(DTensor):
                 "it a tensor of the parameter's full shape (each rank keeps its own rows), or a DTensor "
                 "sharded like it"
             )
-        mesh = self.device_mesh
-        start, end = shard_range(self.shape[0], mesh.size(), mesh.get_local_rank())
+        rows = full[slice(*local_rows(self))] if self.dim() else full
         with torch.no_grad(), compat.disable_torch_function_subclass():
-            compat.local_tensor(self).copy_(full[start:end])
+            compat.local_tensor(self).copy_(rows)
         self.uninitialized = False
+
+
+def local_rows(param: DTensor) -> tuple[int, int]:
+    """The ``[start, end)`` rows of the full parameter that this rank holds:
+    its shard's, or all of them for a replicated parameter."""
+    if all(p.is_replicate() for p in param.placements):
+        return 0, param.shape[0]
+    mesh = param.device_mesh
+    return shard_range(param.shape[0], mesh.size(), mesh.get_local_rank())
 
 
 def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:

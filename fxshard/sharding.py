@@ -54,19 +54,18 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxshard import params as param_writes
-from fxshard.policy import MixedPrecision
+from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
-from fxshard.runtime.ops import unshard
+from fxshard.runtime.ops import replicate, unshard
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
 from fxshard.runtime.units import ParamInfo
 
@@ -103,26 +102,22 @@ class FXShardRoot(FXShardModule):
     """Mixin of the class of the module that ``fxshard.compile`` was called on."""
 
 
-@dataclass(frozen=True)
-class ParamShard:
-    """How one parameter is sharded and gathered: everything an access needs."""
-
-    fqn: str
-    dim0: int
-    world_size: int
-    group_name: str
-    reduce_group_name: str  # same ranks, another communicator (see fxshard::unshard)
-    dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
-    reduce_dtype: torch.dtype | None
-    requires_grad: bool
-    shape: tuple[int, ...]  # the full parameter's
-    shard_dtype: torch.dtype
-    device: torch.device
-
-
-def _gather(local: torch.Tensor, spec: ParamShard) -> torch.Tensor:
+def _gather(local: torch.Tensor, spec: ParamPlan) -> torch.Tensor:
+    if spec.replicated:
+        return replicate(local, spec.world_size, spec.reduce_group_name, spec.fqn, spec.dtype, spec.reduce_dtype)
     return unshard(local, spec.dim0, spec.world_size, spec.group_name, spec.reduce_group_name, spec.fqn, spec.dtype,
                    spec.reduce_dtype)  # fmt: skip
+
+
+def _read_replicated(local: torch.Tensor, spec: ParamPlan) -> torch.Tensor:
+    """A replicated parameter inside a root call. Only a read that can get a
+    gradient needs the marker (its backward all-reduces); a frozen one is
+    the local tensor itself, cast at most (see [Note: replicated parameters]
+    in fxshard/plan.py). Dynamo guards on ``requires_grad``, so unfreezing
+    recompiles with the marker."""
+    if local.requires_grad and torch.is_grad_enabled():
+        return _gather(local, spec)
+    return local.to(spec.dtype) if spec.dtype is not None else local
 
 
 class _ToLocal(torch.autograd.Function):
@@ -210,7 +205,7 @@ class LocalShards:
                              for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
-def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) -> property:
+def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int) -> property:
     shape, dtype = list(spec.shape), spec.dtype or spec.shard_dtype
     as_stored = dataclasses.replace(spec, dtype=None)
 
@@ -220,11 +215,16 @@ def _gathering_property(attr: str, spec: ParamShard, index: int, seq_id: int) ->
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
         if attr in table:  # inside a root call: the compute dtype, read by the graph
+            if spec.replicated:
+                return _read_replicated(table[attr], spec)
             return _gather(table[attr], spec)
         # Outside one (init, a submodule called directly, a read after
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
         param = module._parameters[attr]
+        if spec.replicated:  # the local tensor is the full one: writes land in it
+            local = compat.local_tensor(param)
+            return param_writes.gathered_parameter(local, local, param.write_full)
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
@@ -393,26 +393,30 @@ def _swap_class(module: nn.Module, properties: dict[str, property], state: RootS
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
-def _shard_of(full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> DTensor:
+def _shard_of(full: torch.Tensor, mesh: DeviceMesh, spec: ParamPlan) -> DTensor:
+    if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
+        dt = DTensor.from_local(full.detach(), mesh, [Replicate()], run_check=False, shape=full.shape,
+                                stride=full.stride())  # fmt: skip
+        return param_writes.shard_parameter(dt, spec.requires_grad)
     world_size, rank = mesh.size(), mesh.get_local_rank()
     start, end = shard_range(full.shape[0], world_size, rank)
     local = full.detach()[start:end].clone()
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-    return param_writes.shard_parameter(dt, requires_grad)
+    return param_writes.shard_parameter(dt, spec.requires_grad)
 
 
 def shard_parameters(
     model: nn.Module,
+    plans: dict[int, ParamPlan],
     mesh: DeviceMesh,
     device: torch.device,
-    mp: MixedPrecision,
     sequenced: bool,
-    reduce_group_name: str,
-) -> tuple[tuple[ParamShard, ...], RootState]:
-    """Shard every parameter of ``model`` in place; return the plan of each
-    and the root's state. ``sequenced`` starts with sequenced reads (eager runs).
-    ``device`` is where shards live: the parameters' device, or the mesh's
-    for parameters on the meta device (materialized later by ``to_empty``).
+) -> RootState:
+    """Shard every parameter of ``model`` in place as ``plans`` (by the
+    parameter's id) says; return the root's state. ``sequenced`` starts with
+    sequenced reads (eager runs). ``device`` is where shards live: the
+    parameters' device, or the mesh's for parameters on the meta device
+    (materialized later by ``to_empty``).
 
     A parameter owned by several modules (tied weights) becomes one shard,
     registered in every owner, and is named by its first owner's path.
@@ -420,48 +424,40 @@ def shard_parameters(
     keeps its rows without communicating.
     """
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    specs: dict[int, ParamShard] = {}
-    for mod_name, mod in model.named_modules():
+    for mod in model.modules():
         for attr, param in mod._parameters.items():
-            if param is None:
-                continue
-            owners.setdefault(id(param), []).append((mod, attr))
-            if id(param) not in specs:
-                fqn = f"{mod_name}.{attr}" if mod_name else attr
-                dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
-                specs[id(param)] = ParamShard(
-                    fqn, param.shape[0], mesh.size(), mesh.get_group().group_name, reduce_group_name, dtype,
-                    mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device,
-                )  # fmt: skip
+            if param is not None:
+                owners.setdefault(id(param), []).append((mod, attr))
 
-    per_module: dict[nn.Module, dict[str, ParamShard]] = {}
+    per_module: dict[nn.Module, dict[str, ParamPlan]] = {}
     entries: list[SeqEntry] = []
     infos: list[ParamInfo] = []
     fqns: dict[int, str] = {}
     for key, mod_attrs in owners.items():
-        spec = specs[key]
+        spec = plans[key]
         first_mod, first_attr = mod_attrs[0]
         old = first_mod._parameters[first_attr]
-        shard = _shard_of(old, mesh, spec.requires_grad)
+        shard = _shard_of(old, mesh, spec)
         param_writes.retire(old, spec.fqn)
         fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
         entries.append(_seq_entry(first_mod, first_attr, spec, mesh))
-        infos.append(_param_info(first_mod, first_attr, spec, mesh))
+        if not spec.replicated:  # units gather and reduce shards only
+            infos.append(_param_info(first_mod, first_attr, spec, mesh))
     per_module.setdefault(model, {})
-    index = {spec.fqn: i for i, spec in enumerate(specs.values())}
+    index = {spec.fqn: i for i, spec in enumerate(plans[key] for key in owners)}
     sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
     shards = LocalShards(list(owners.values()))
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}
         _swap_class(mod, props, state, root=mod is model)
-    return tuple(specs.values()), state
+    return state
 
 
-def _seq_entry(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh) -> SeqEntry:
+def _seq_entry(module: nn.Module, attr: str, spec: ParamPlan, mesh: DeviceMesh) -> SeqEntry:
     def local() -> torch.Tensor:
         return module._parameters[attr].to_local().detach()
 
@@ -474,15 +470,17 @@ def _seq_entry(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh)
             param.grad.to_local().add_(grad)
 
     start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+    if spec.replicated:
+        start, end = 0, spec.dim0
 
     def trainable() -> bool:
         return module._parameters[attr].requires_grad
 
     return SeqEntry(spec.fqn, spec.dim0, end - start, spec.shape, spec.dtype, spec.reduce_dtype, spec.shard_dtype,
-                    trainable, local, add_grad)  # fmt: skip
+                    trainable, local, add_grad, spec.replicated)  # fmt: skip
 
 
-def _param_info(module: nn.Module, attr: str, spec: ParamShard, mesh: DeviceMesh) -> ParamInfo:
+def _param_info(module: nn.Module, attr: str, spec: ParamPlan, mesh: DeviceMesh) -> ParamInfo:
     def local() -> torch.Tensor:
         return compat.local_tensor(module._parameters[attr])
 

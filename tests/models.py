@@ -106,6 +106,19 @@ class Uneven(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))) * self.row)
 
 
+class Scaled(nn.Module):
+    """A 0-dimensional parameter (a learned temperature): kept whole on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+        self.b = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * self.temperature)
+
+
 class GraphBreaks(nn.Module):
     """A data-dependent branch splits the forward into graphs (the print in
     front of it does not)."""

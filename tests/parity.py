@@ -115,6 +115,42 @@ SCENARIOS: dict[str, Scenario] = {
         compile_kwargs=dict(backend="aot_eager"),
     ),
     "frozen": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), freeze=("embed.", "layers.0.attn.")),
+    "frozen_sharded": Scenario(
+        **LLAMA, compile_kwargs=dict(backend="aot_eager", shard_frozen=True), freeze=("embed.", "layers.0.attn.")
+    ),
+    # Replicated parameters (fxshard.no_shard): a whole layer and the final
+    # norm, beside sharded ones in one unit; clip_grad_norm_ over both kinds.
+    "no_shard": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.003),
+        prepare=lambda m: (fxshard.no_shard(m.layers[0]), fxshard.no_shard(m.norm.weight)),
+        clip_norm=0.5,
+    ),
+    # Replicated reads inside outlined layers, in bf16.
+    "no_shard_bf16": Scenario(
+        **UNTIED,
+        make_batch=_tokens,
+        atol=3e-2,
+        rtol=3e-2,
+        outlier_fraction=0.01,
+        compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
+        prepare=lambda m: [fxshard.no_shard(layer.mlp) for layer in m.layers],
+        sequenced=False,
+    ),
+    "scalar_parameter": Scenario(
+        make_model=models.Scaled,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+    ),
+    "graph_breaks_no_shard": Scenario(
+        make_model=models.GraphBreaks,
+        make_batch=lambda g: torch.randn(4, 6, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        prepare=lambda m: fxshard.no_shard(m.second),
+        sequenced=True,
+    ),
     "graph_breaks": Scenario(
         make_model=models.GraphBreaks,
         make_batch=lambda g: torch.randn(4, 6, generator=g),

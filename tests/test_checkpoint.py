@@ -84,13 +84,15 @@ def _uneven_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) ->
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()).cpu() for k, v in model.state_dict().items()}
+    # A copy: a replicated parameter's full_tensor() is its live local tensor.
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone().cpu()
+            for k, v in model.state_dict().items()}  # fmt: skip
 
 
 def _full_optim(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v.clone()).cpu() for k, v in s.items()}
-            for p, s in opt.state.items()}  # fmt: skip
+    return {names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone().cpu()
+                           for k, v in s.items()} for p, s in opt.state.items()}  # fmt: skip
 
 
 def _close(actual, expected, what: str, exact: bool = False) -> None:
@@ -98,16 +100,26 @@ def _close(actual, expected, what: str, exact: bool = False) -> None:
     torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
 
 
-def _compiled(make: type | object, seed: int, backend: str = "aot_eager") -> nn.Module:
+def _compiled(make: type | object, seed: int, backend: str = "aot_eager", whole: tuple[str, ...] = ()) -> nn.Module:
+    """``make()`` compiled, with the submodules named in ``whole`` kept replicated (``fxshard.no_shard``)."""
     torch.manual_seed(seed)
-    return fxshard.compile(make().to(_device()), backend=backend)
+    model = make().to(_device())
+    for name in whole:
+        fxshard.no_shard(model.get_submodule(name))
+    return fxshard.compile(model, backend=backend)
+
+
+# Checkpoints hold replicated parameters beside sharded ones: the Llama's
+# second MLP, and Uneven's layer b when saved (sharded again when resumed).
+LLAMA_WHOLE = ("layers.1.mlp",)
 
 
 def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
     """torch.save of the sharded state dict works before the first call and
     after steps; loading it into a fresh compiled model resumes exactly.
     Returns its compiled models for the next checks (each compile costs seconds)."""
-    model = _compiled(models.TinyLlama, 0)
+    model = _compiled(models.TinyLlama, 0, whole=LLAMA_WHOLE)
+    assert dict(model.named_parameters())["layers.1.mlp.w1.weight"].placements[0].is_replicate()
     opt = _adamw(model)
     before = io.BytesIO()
     torch.save(model.state_dict(), before)
@@ -116,7 +128,7 @@ def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, saved)
     expected = _llama_steps(model, opt, range(2, 4))
 
-    fresh = _compiled(models.TinyLlama, 1)  # other weights, until loaded
+    fresh = _compiled(models.TinyLlama, 1, whole=LLAMA_WHOLE)  # other weights, until loaded
     fresh_opt = _adamw(fresh)
     saved.seek(0)
     state = torch.load(saved, weights_only=False)
@@ -127,7 +139,7 @@ def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
         _close(q.to_local(), p.to_local(), f"{name} after resuming", exact=True)
 
     before.seek(0)
-    untrained = _compiled(models.TinyLlama, 2)
+    untrained = _compiled(models.TinyLlama, 2, whole=LLAMA_WHOLE)
     untrained.load_state_dict(torch.load(before, weights_only=False))
     torch.manual_seed(0)
     for name, value in models.TinyLlama().state_dict().items():
@@ -189,7 +201,7 @@ def full_export_loads_into_plain_model(rank: int, world_size: int, model: nn.Mod
 
 def dcp_save(rank: int, world_size: int, path: str) -> dict:
     """Train Uneven, save model and AdamW state with DCP, and continue."""
-    model = _compiled(models.Uneven, 0)
+    model = _compiled(models.Uneven, 0, whole=("b",))
     opt = _adamw(model)
     _uneven_steps(model, opt, range(3))
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -226,7 +238,7 @@ def two_rank_checks(rank: int, world_size: int, path: str) -> dict:
 
     def model(name: str, seed: int) -> nn.Module:  # torch_save's, or a new one where it failed
         if name not in built:
-            built[name] = _compiled(models.TinyLlama, seed)
+            built[name] = _compiled(models.TinyLlama, seed, whole=LLAMA_WHOLE)
             _llama_steps(built[name], _adamw(built[name]), range(1))
         return built[name]
 

@@ -82,11 +82,14 @@ def test_mixed_precision_rejects_non_float_dtypes():
         fxshard.MixedPrecision(param_dtype=torch.int8)
 
 
-def test_zero_dim_parameter_is_a_known_gap(fake_pg):
+def test_zero_dim_parameter_is_kept_whole(fake_pg):
+    """A 0-dimensional parameter has no dim 0 to shard: it is replicated
+    (trained to parity in the scalar_parameter scenario)."""
     model = nn.Linear(4, 4)
     model.scale = nn.Parameter(torch.tensor(1.0))
-    with pytest.raises(NotImplementedError, match=r"shape \(1,\)"):
-        fxshard.compile(model)
+    fxshard.compile(model)
+    assert model.fxshard_plan.params[-1].placement.value == "Replicate()"
+    assert model.scale.shape == ()
 
 
 def test_a_model_partly_on_the_meta_device(fake_pg):

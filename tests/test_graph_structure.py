@@ -222,9 +222,10 @@ def test_reduce_scatter_after_gradient_complete(fake_pg):
 
 
 def test_frozen_parameters_are_gathered_not_reduced(fake_pg):
+    """shard_frozen=True: a frozen parameter is sharded, gathered, never reduced."""
     model = models.TinyLlama(tie=False)
     model.embed.weight.requires_grad_(False)
-    record = _train_once(model, sharded_embeddings=False)
+    record = _train_once(model, sharded_embeddings=False, shard_frozen=True)
     forward, backward = record.reports["forward"], record.reports["backward"]
     assert "embed.weight" in {s.param for s in forward.sites if s.kind == "unshard"}
     assert "embed.weight" not in {s.param for s in backward.sites if s.kind == "reduce"}
@@ -236,9 +237,69 @@ def test_frozen_sharded_lookup_has_no_backward(fake_pg):
 
     model = models.TinyLlama(tie=False)
     model.embed.weight.requires_grad_(False)
-    record = _train_once(model)
+    record = _train_once(model, shard_frozen=True)
     assert len(_nodes(record.forward, EMBEDDING)) == 1 and not _nodes(record.backward, EMBEDDING_BACKWARD)
     assert record.reports["backward"].count("reduce") == len(model.fxshard_plan.params) - 1
+
+
+def _collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    funcol = torch.ops._c10d_functional
+    kinds = (funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default, funcol.all_reduce.default)
+    return [n for n in gm.graph.nodes if n.target in (*kinds, AG, RS)]
+
+
+def test_frozen_parameters_are_replicated_by_default(fake_pg):
+    """A frozen module is kept whole: no gather, no reduce, no marker; its
+    plan says so, and the dump's summary shows it."""
+    model = models.TinyLlama(tie=False)
+    for layer in model.layers:
+        layer.attn.requires_grad_(False)
+    record = _train_once(model)
+    plan = {p.fqn: p for p in model.fxshard_plan.params}
+    frozen = [n for n, p in model.named_parameters() if ".attn." in n]
+    for name in frozen:
+        assert plan[name].placement.value == "Replicate()" and plan[name].reduce.value == "none", plan[name]
+        assert dict(model.named_parameters())[name].placements[0].is_replicate()
+    units = model.fxshard_plan.units
+    assert not set(frozen) & {n for u in units.units for n in u.names}, "replicated parameters are in no unit"
+    for phase in ("forward", "backward"):
+        sites = record.reports[phase].sites
+        assert not {s.param for s in sites} & set(frozen), f"{phase}: a frozen parameter meets a collective"
+    assert "Replicate(), gradient none, gathered value always" in record.summary()
+
+
+def test_no_shard_reads_whole_and_all_reduces(fake_pg):
+    """fxshard.no_shard: no gather in forward, one deferred all-reduce per
+    replicated parameter in backward, on the reduce group."""
+    model = models.TinyLlama(tie=False)
+    fxshard.no_shard(model.layers[1].mlp)
+    record = _train_once(model, **FLAT)
+    replicated = [n for n, _ in model.named_parameters() if n.startswith("layers.1.mlp.")]
+    backward = record.reports["backward"]
+    assert sorted(s.param for s in backward.sites if s.kind == "allreduce") == sorted(replicated)
+    assert not {s.param for s in record.reports["forward"].sites if s.kind == "unshard"} & set(replicated)
+    all_reduces = _nodes(record.backward, torch.ops._c10d_functional.all_reduce.default)
+    assert len(all_reduces) == len(replicated)
+    reduce_group = model.fxshard_plan.params[0].reduce_group_name
+    assert all(n.args[2] == reduce_group for n in all_reduces)
+    assert all(n.target != torch.ops._c10d_functional.all_reduce.default for n in _collectives(record.forward))
+    # Deferred: each wait sits after compute that follows its all-reduce.
+    order = {n: i for i, n in enumerate(record.backward.graph.nodes)}
+    waits = [next(iter(n.users)) for n in all_reduces]
+    assert any(order[w] > order[n] + 1 for n, w in zip(all_reduces, waits))
+
+
+def test_no_shard_errors(fake_pg):
+    with pytest.raises(ValueError, match="module or an nn.Parameter"):
+        fxshard.no_shard("layers.0")
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager")
+    with pytest.raises(ValueError, match="before compiling"):
+        fxshard.no_shard(model.layers[0].mlp)
+    with pytest.raises(ValueError, match="before compiling"):
+        fxshard.no_shard(model.norm.weight)
+    with pytest.raises(ValueError, match="shard_frozen must be True or False"):
+        fxshard.compile(models.TinyLlama(), backend="aot_eager", shard_frozen="yes")
 
 
 def test_no_grad_forward_gathers_and_never_reduces(fake_pg):
@@ -672,3 +733,15 @@ def test_blocks_with_effects_stay_inline_and_in_order(fake_pg):
     opens = [i for i, n in enumerate(names) if n.startswith("_vmap_increment_nesting")]
     closes = [i for i, n in enumerate(names) if n.startswith("_vmap_decrement_nesting")]
     assert len(opens) == len(closes) == 3 and all(o < c for o, c in zip(opens, closes)), names
+
+
+def test_replicated_reads_stay_outside_outlined_blocks(fake_pg):
+    """A layer reading replicated weights is still compiled once: the reads
+    stay in the outer graph, like unshards, and the body takes the weights."""
+    model = models.TinyLlama(tie=False)
+    for layer in model.layers:
+        fxshard.no_shard(layer.mlp)
+    record = _train_once(model)
+    assert record.outline.bodies == [["layers.0", "layers.1"]], record.outline.format()
+    replicate = torch.ops.fxshard.replicate.default
+    assert len(_nodes(record.captured, replicate)) == 3 * len(model.layers)

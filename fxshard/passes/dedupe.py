@@ -7,13 +7,13 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxshard.passes.markers import is_seq_gather, is_unshard
+from fxshard.passes.markers import is_seq_gather, is_weight_read
 
 
 def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Give each parameter one unshard per captured graph.
 
-    Matches: ``fxshard::unshard`` (or ``fxshard::seq_gather``) nodes with the same
+    Matches: ``fxshard::unshard`` (or ``fxshard::replicate``, ``fxshard::seq_gather``) nodes with the same
     arguments, as produced by tied weights (an embedding reused as the output
     projection) or by reading one parameter twice (a parent reading a child's
     weight directly). Rewrites every later read to use the first; autograd then
@@ -23,7 +23,7 @@ def dedupe_unshard_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx
     first: dict[tuple, fx.Node] = {}
     duplicates: list[tuple[fx.Node, fx.Node]] = []
     for node in gm.graph.nodes:
-        if is_unshard(node) or is_seq_gather(node):
+        if is_weight_read(node) or is_seq_gather(node):
             # The arguments after the shard (or anchor) name the parameter
             # (tied uses share one name). The shard nodes themselves may differ.
             key = (node.target, *node.args[1:], *sorted(node.kwargs.items()))

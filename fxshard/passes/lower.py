@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.passes.markers import is_reduce, is_unshard
+from fxshard.passes.markers import is_all_reduce_grad, is_reduce, is_replicate, is_unshard
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import gather_full, reduce_to_shard
+from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
 
 COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
 LOWERED = "fxshard_lowered"  # node.meta key on every node lowering inserts
@@ -49,6 +49,17 @@ def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
             fn = functools.partial(
                 reduce_to_shard, local_rows=a["local_rows"], world_size=a["world_size"],
                 group_name=a["group_name"], reduce_dtype=a["reduce_dtype"], out_dtype=a["out_dtype"],
+            )  # fmt: skip
+            plan.append(Lowering(node, fn))
+        elif is_replicate(node):  # a cast at most: world size 1 gathers nothing
+            a = op_arguments(node)
+            fn = functools.partial(gather_full, dim0=1, world_size=1, group_name=a["group_name"], dtype=a["dtype"])
+            plan.append(Lowering(node, fn))
+        elif is_all_reduce_grad(node):
+            a = op_arguments(node)
+            fn = functools.partial(
+                reduce_replicated, world_size=a["world_size"], group_name=a["group_name"],
+                reduce_dtype=a["reduce_dtype"], out_dtype=a["out_dtype"],
             )  # fmt: skip
             plan.append(Lowering(node, fn))
     return tuple(plan)
@@ -90,8 +101,9 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
 def lower_collectives_pass(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, decompositions: dict | None = None
 ) -> fx.GraphModule:
-    """Replace each ``fxshard::unshard`` with its all-gather and each
-    ``fxshard::reduce_grad`` with its reduce-scatter, in place.
+    """Replace each ``fxshard::unshard`` with its all-gather, each
+    ``fxshard::reduce_grad`` with its reduce-scatter, each ``fxshard::replicate``
+    with its cast and each ``fxshard::all_reduce_grad`` with its all-reduce, in place.
 
     The replacement is ``gather_full`` / ``reduce_to_shard`` traced to ATen
     and ``_c10d_functional`` ops (see [Note: one definition of gather and

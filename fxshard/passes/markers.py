@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.runtime import compat
-from fxshard.runtime.ops import REDUCE_GRAD, UNSHARD
+from fxshard.runtime.ops import ALL_REDUCE_GRAD, REDUCE_GRAD, REPLICATE, UNSHARD
 from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD, param_name
 
 # Dtype casts count as views here: they only change how the full weight is read.
@@ -15,6 +15,21 @@ _CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_ele
 
 def is_unshard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (UNSHARD, torch.ops.fxshard.unshard)
+
+
+def is_replicate(node: fx.Node) -> bool:
+    """A read of a replicated parameter that may get a gradient (see [Note:
+    replicated parameters] in fxshard/plan.py)."""
+    return node.op == "call_function" and node.target in (REPLICATE, torch.ops.fxshard.replicate)
+
+
+def is_weight_read(node: fx.Node) -> bool:
+    """A marker that reads one parameter whole: an unshard or a replicated read."""
+    return is_unshard(node) or is_replicate(node)
+
+
+def is_all_reduce_grad(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (ALL_REDUCE_GRAD, torch.ops.fxshard.all_reduce_grad)
 
 
 def is_seq_gather(node: fx.Node) -> bool:

@@ -10,7 +10,7 @@ traces and partitions the body once and Inductor compiles it once; the
 calls take the layer's gathered weights as inputs.
 
 - A block is the nodes of one child of a module list (``layers.<i>``, from
-  the nodes' ``nn_module_stack``), the unshard markers excepted: those stay in
+  the nodes' ``nn_module_stack``), the unshard (and replicated read) markers excepted: those stay in
   the outer graph, where the unit passes gather, free and prefetch them as
   before, and the block takes the full weights as arguments.
 - Blocks are outlined only where they are alike node for node: the same
@@ -46,7 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.passes.dump import dotted_path
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import example_value, full_weight_views, is_unshard
+from fxshard.passes.markers import example_value, full_weight_views, is_unshard, is_weight_read
 from fxshard.passes.tagging import backward_nodes
 from fxshard.runtime import compat
 
@@ -148,7 +148,7 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     if not outputs or not all(_static(example_value(i)) for i in inputs):
         return None
-    if not any(is_unshard(i) for i in inputs):
+    if not any(is_weight_read(i) for i in inputs):
         return None  # no weights: nothing to compile once that is worth a call (see the Note)
     key = (tuple(ops), tuple(_tensor_key(example_value(i)) for i in inputs),
            tuple(_tensor_key(example_value(n)) for n in nodes), tuple(local[o] for o in outputs))  # fmt: skip
@@ -160,7 +160,7 @@ def _movable(node: fx.Node) -> bool:
     its inputs and nothing else (an unshard, a view or cast of a weight).
     Effects keep their place: vmap levels and grad mode (dynamo records no
     module for the node that closes a vmap), RNG, in-place ops."""
-    if is_unshard(node) or node.op == "get_attr":
+    if is_weight_read(node) or node.op == "get_attr":
         return True
     return _replayable(node) and not node.is_impure()
 
@@ -201,7 +201,7 @@ def outline_blocks_pass(
         return gm
     by_list: dict[str, dict[int, list[fx.Node]]] = {}
     for node in graph.nodes:
-        if node.op == "placeholder" or node.op == "output" or is_unshard(node):
+        if node.op == "placeholder" or node.op == "output" or is_weight_read(node):
             continue
         where = _block_of(node)
         if where is not None:
@@ -295,7 +295,7 @@ def tag_body_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> f
     unshards, rather than a transposed weight. Views cost nothing to
     recompute. The outer joint (it has unshards) is left to ``tag_unshard``."""
     graph = gm.graph
-    if any(is_unshard(n) for n in graph.nodes):
+    if any(is_weight_read(n) for n in graph.nodes):
         return gm
     in_backward = backward_nodes(graph)
     for node in graph.nodes:

@@ -79,6 +79,7 @@ class BackendSpec:
     embedding_count_group: str | None = None
     outline_blocks: bool = False  # compile each repeated block once (see [Note: outlined blocks])
     reduces_in_flight: int = 1  # gradient reduce-scatters running at once (see [Note: prefetch by units])
+    params: str = ""  # the parameters' placements, reduces and lifetimes, as formatted for the summary
 
 
 @dataclass
@@ -104,6 +105,7 @@ class GraphRecord:
         None  # where the estimates outlive the process (see [Note: estimates of cached graphs])
     )
     buffer_plans: dict[str, BufferPlan] = field(default_factory=dict)  # the static buffer plan per phase
+    params: str = ""  # the parameters' plan, as formatted for the summary
     units: str = ""  # the model's units, as formatted for the summary
     sharded_lookups: tuple[str, ...] = ()  # embedding tables looked up without a gather
     outline: OutlineRecord = field(default_factory=OutlineRecord)
@@ -116,6 +118,8 @@ class GraphRecord:
         parts = [f"graph {self.index}"]
         if self.graph_break_reason:
             parts.append(f"sequenced reads: the forward has graph breaks. Dynamo said: {self.graph_break_reason}\n")
+        if self.params:
+            parts.append(self.params)
         if self.units:
             parts.append(self.units)
         if self.sharded_lookups:
@@ -190,7 +194,8 @@ class FXShardBackend:
         return units
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        record = GraphRecord(index=len(self.graphs), graph_break_reason=self.graph_break_reason)
+        record = GraphRecord(index=len(self.graphs), graph_break_reason=self.graph_break_reason,
+                             params=self.spec.params)  # fmt: skip
         self.graphs.append(record)
         with compat.host_syncs_allowed(), compat.subgraph_schemas_cached():
             compiled = self._compile(record, gm, example_inputs)

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import is_reduce, is_seq_gather, is_seq_grad, is_unshard, nbytes, seq_param
+from fxshard.passes.markers import (
+    is_all_reduce_grad,
+    is_reduce,
+    is_replicate,
+    is_seq_gather,
+    is_seq_grad,
+    is_unshard,
+    nbytes,
+    seq_param,
+)
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,9 @@ class CollectiveSite:
     ``ready_after`` is the node that completes the gradient.
     """
 
-    kind: str  # "unshard" or "reduce"; "seq_read" or "seq_grad" hand over to the sequencer
+    # "unshard" or "reduce"; "replica" (a replicated read, nothing gathered) or
+    # "allreduce" (its gradient); "seq_read" or "seq_grad" hand over to the sequencer
+    kind: str
     param: str
     node: str
     position: int
@@ -49,11 +60,16 @@ class GraphReport:
             f"{self.count('unshard')} parameters gathered ({self.nbytes('unshard') / 2**20:.2f} MiB), "
             f"{self.count('reduce')} reduce-scattered ({self.nbytes('reduce') / 2**20:.2f} MiB)"
         )
+        if self.count("replica") or self.count("allreduce"):
+            head += (f"; {self.count('replica')} replicated reads, {self.count('allreduce')} all-reduced "
+                     f"({self.nbytes('allreduce') / 2**20:.2f} MiB)")  # fmt: skip
         if self.count("seq_read") or self.count("seq_grad"):
             head += f"; {self.count('seq_read')} sequenced reads, {self.count('seq_grad')} sequenced gradients"
         rows = [f"  {'kind':8} {'param':40} {'at':>5} {'MiB':>8}  placement"]
         for s in self.sites:
-            if s.kind == "unshard":
+            if s.kind == "replica":
+                where = f"replicated {s.node}: nothing gathered"
+            elif s.kind == "unshard":
                 where = f"gather {s.node}; first use {s.first_use}; released after {s.last_use}"
             elif s.kind.startswith("seq"):
                 where = f"{s.node}: the sequencer gathers (or takes the gradient), in plan order"
@@ -77,8 +93,11 @@ def graph_report(gm: fx.GraphModule, phase: str) -> GraphReport:
         elif is_seq_gather(node) or is_seq_grad(node):
             kind = "seq_read" if is_seq_gather(node) else "seq_grad"
             sites.append(CollectiveSite(kind, seq_param(node), node.name, index[node], "-", "-", "-", nbytes(node)))
-        elif is_reduce(node):
+        elif is_replicate(node):
+            sites.append(CollectiveSite("replica", op_arguments(node)["param"], node.name, index[node],
+                                        node.args[0].name, "-", "-", nbytes(node)))  # fmt: skip
+        elif is_reduce(node) or is_all_reduce_grad(node):
             grad = node.args[0]
-            sites.append(CollectiveSite("reduce", op_arguments(node)["param"], node.name, index[node],
+            sites.append(CollectiveSite("reduce" if is_reduce(node) else "allreduce", op_arguments(node)["param"], node.name, index[node],
                                         grad.name, "-", "-", nbytes(grad)))  # fmt: skip
     return GraphReport(phase, len(order), tuple(sites))

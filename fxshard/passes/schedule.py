@@ -28,7 +28,8 @@ gather. This pass moves collectives, never compute:
   allocated (a reduce that sends a gradient as it is, with no cast or pad,
   has no input of its own). Placed just before the later reduce-scatter
   itself, one more was alive: on the 8B benchmark that is 0.9 GiB of fp32
-  per unit.
+  per unit. A replicated parameter's gradient all-reduce is deferred the
+  same way, and counts as a reduce.
 
 Collectives keep their relative order within each kind, and the pass is a
 function of the graph, so every rank issues the same collectives in the same
@@ -52,9 +53,16 @@ from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UN
 _funcol = torch.ops._c10d_functional
 _ALL_GATHER = _funcol.all_gather_into_tensor.default
 _REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
+_ALL_REDUCE = _funcol.all_reduce.default  # a replicated parameter's gradient
 _WAIT = _funcol.wait_tensor.default
 # A collective (per parameter, or per unit) and the op that waits for it.
-_WAITS = {_ALL_GATHER: _WAIT, _REDUCE_SCATTER: _WAIT, UNIT_GATHER: UNIT_GATHER_WAIT, UNIT_REDUCE: UNIT_REDUCE_WAIT}
+_WAITS = {
+    _ALL_GATHER: _WAIT,
+    _REDUCE_SCATTER: _WAIT,
+    _ALL_REDUCE: _WAIT,
+    UNIT_GATHER: UNIT_GATHER_WAIT,
+    UNIT_REDUCE: UNIT_REDUCE_WAIT,
+}
 _COMM = frozenset(_WAITS) | frozenset(_WAITS.values())
 
 
@@ -142,7 +150,7 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
                         anchor.prepend(n)
 
     deferred = 0
-    reduces = [n for n in graph.nodes if _is_lowered(n, _REDUCE_SCATTER, UNIT_REDUCE)]
+    reduces = [n for n in graph.nodes if _is_lowered(n, _REDUCE_SCATTER, _ALL_REDUCE, UNIT_REDUCE)]
     output = next(n for n in graph.nodes if n.op == "output")
     order = {n: i for i, n in enumerate(graph.nodes)}  # only waits move below, never what builds an input
     built = [_built_from(rs, order) for rs in reduces]

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import example_value, is_unshard
+from fxshard.passes.markers import example_value, is_replicate, is_unshard
 from fxshard.runtime.embedding import EMBEDDING
 
 
@@ -25,6 +25,12 @@ def _line(node: fx.Node) -> str | None:
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
         gradient = f", gradient reduce-scattered in {_dtype(a['reduce_dtype'])}" if reduced else ", no gradient"
         return f"all-gather of {a['param']!r} {shape} in {_dtype(a['dtype'])}{gradient}"
+    if is_replicate(node):
+        a = op_arguments(node)
+        val = example_value(node)
+        reduced = isinstance(val, torch.Tensor) and val.requires_grad
+        gradient = f", gradient all-reduced in {_dtype(a['reduce_dtype'])}" if reduced else ", no gradient"
+        return f"replicated {a['param']!r} in {_dtype(a['dtype'])}{gradient}"
     if node.op == "call_function" and node.target is EMBEDDING:
         a = op_arguments(node)
         return f"sharded lookup in {a['param']!r} (dim0 {a['dim0']}) in {_dtype(a['dtype'])}"

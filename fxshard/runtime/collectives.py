@@ -1,8 +1,8 @@
-"""The two collectives of sharded training, written once as plain torch ops.
+"""The collectives of sharded training, written once as plain torch ops.
 
 [Note: one definition of gather and reduce]
-``gather_full`` and ``reduce_to_shard`` are the only definition of what an
-unshard and a reduce compute. The eager implementations of the ``fxshard::``
+``gather_full``, ``reduce_to_shard`` and ``reduce_replicated`` are the only
+definition of what an unshard and a reduce compute. The eager implementations of the ``fxshard::``
 ops call them, and the lowering pass traces them (``make_fx``) and inlines the
 result into compiled graphs, so eager and compiled runs cannot drift apart.
 
@@ -82,6 +82,23 @@ def reduce_to_shard(
         grad = grad / world_size
         if grad.shape[0] != local_rows:
             grad = grad[:local_rows]
+    return grad.to(out_dtype) if grad.dtype != out_dtype else grad
+
+
+def reduce_replicated(
+    grad: torch.Tensor,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Reduce the gradient of a replicated parameter: all-reduce it and
+    average it over the group, in ``reduce_dtype``; the result in ``out_dtype``."""
+    if reduce_dtype is not None and grad.dtype != reduce_dtype:
+        grad = grad.to(reduce_dtype)
+    if world_size > 1:
+        grad = _funcol.wait_tensor(_funcol.all_reduce(grad.contiguous(), "sum", group_name))
+        grad = grad / world_size
     return grad.to(out_dtype) if grad.dtype != out_dtype else grad
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fxshard.runtime.collectives import gather_full, reduce_to_shard
+from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
 from fxshard.runtime.rank_checks import check_collective
 
 
@@ -80,5 +80,59 @@ def _unshard_backward(ctx, grad):
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
+
+@torch.library.custom_op("fxshard::replicate", mutates_args=())
+def replicate(
+    local: torch.Tensor,
+    world_size: int,
+    group_name: str,
+    param: str,
+    dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The replicated parameter ``param`` in its compute dtype: nothing to
+    gather; its gradient is all-reduced on ``group_name`` (see [Note:
+    replicated parameters] in fxshard/plan.py)."""
+    return _no_alias(gather_full(local, local.shape[0] if local.dim() else 1, 1, group_name, dtype), local)
+
+
+@replicate.register_fake
+def _replicate_fake(local, world_size, group_name, param, dtype, reduce_dtype):
+    return local.new_empty(local.shape, dtype=dtype or local.dtype)
+
+
+@torch.library.custom_op("fxshard::all_reduce_grad", mutates_args=())
+def all_reduce_grad(
+    grad: torch.Tensor,
+    world_size: int,
+    group_name: str,
+    param: str,
+    reduce_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """All-reduce the gradient of the replicated ``param``, averaged."""
+    if world_size > 1:
+        check_collective(group_name, lambda: f"all-reduce of the gradient of {param!r} {tuple(grad.shape)}")
+    return _no_alias(reduce_replicated(grad, world_size, group_name, reduce_dtype, out_dtype), grad)
+
+
+@all_reduce_grad.register_fake
+def _all_reduce_grad_fake(grad, world_size, group_name, param, reduce_dtype, out_dtype):
+    return grad.new_empty(grad.shape, dtype=out_dtype)
+
+
+def _replicate_setup(ctx, inputs, output):
+    local, world_size, group_name, param, _, reduce_dtype = inputs
+    ctx.spec = (world_size, group_name, param, reduce_dtype, local.dtype)
+
+
+def _replicate_backward(ctx, grad):
+    return (all_reduce_grad(grad.contiguous(), *ctx.spec), None, None, None, None, None)
+
+
+replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)
+
 UNSHARD = torch.ops.fxshard.unshard.default
 REDUCE_GRAD = torch.ops.fxshard.reduce_grad.default
+REPLICATE = torch.ops.fxshard.replicate.default
+ALL_REDUCE_GRAD = torch.ops.fxshard.all_reduce_grad.default

@@ -20,7 +20,9 @@ or pair the wrong buffers. So for such models every read goes through a
   gradients per (call, parameter). When the backward pass ends, every
   trainable parameter of every call since the last backward is reduced, in
   plan order, a zero gradient where this rank produced none. The reduced
-  shard is added to the DTensor parameter's ``.grad``.
+  shard is added to the DTensor parameter's ``.grad``. A replicated
+  parameter is read without a gather and its gradient all-reduced, in the
+  same order.
 
 The sequence of collectives is then a function of the number of root calls
 and backward passes, never of the data. The price: gathered weights are kept
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import any_rank, gather_full, reduce_to_shard
+from fxshard.runtime.collectives import any_rank, gather_full, reduce_replicated, reduce_to_shard
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class SeqEntry:
     trainable: Callable[[], bool]  # the parameter's requires_grad now (users may freeze later)
     local: Callable[[], torch.Tensor]  # this rank's shard, a plain tensor
     add_grad: Callable[[torch.Tensor], None]  # accumulate a reduced shard gradient
+    replicated: bool = False  # every rank holds all of it: nothing to gather, the gradient all-reduced
 
 
 @dataclass
@@ -114,8 +117,9 @@ class Sequencer:
     def _gather_through(self, call: _Call, k: int) -> None:
         while call.next <= k:
             e = self.entries[call.next]
-            call.full[call.next] = gather_full(e.local(), e.dim0, self.world_size, self.group_name, e.dtype)
-            self.gathers += 1
+            ranks = 1 if e.replicated else self.world_size
+            call.full[call.next] = gather_full(e.local(), e.dim0, ranks, self.group_name, e.dtype)
+            self.gathers += not e.replicated
             call.next += 1
 
     def read(self, call_id: int, k: int) -> torch.Tensor:
@@ -170,8 +174,11 @@ class Sequencer:
                 if grad is None:
                     local = e.local()
                     grad = local.new_zeros(e.full_shape, dtype=e.reduce_dtype or e.dtype or local.dtype)
-                shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name,
-                                        e.reduce_dtype, e.shard_dtype)  # fmt: skip
+                if e.replicated:
+                    shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
+                else:
+                    shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name,
+                                            e.reduce_dtype, e.shard_dtype)  # fmt: skip
                 self.reduces += 1
                 e.add_grad(shard)
 

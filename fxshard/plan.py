@@ -1,0 +1,218 @@
+"""The plan: how each parameter is placed, gathered, reduced and kept.
+
+``fxshard.compile`` builds one ``ParamPlan`` per distinct parameter from the
+user's options, once, before anything is sharded (``build_plan``). Sharding,
+the read path and the summaries take their facts from it.
+
+[Note: replicated parameters]
+A parameter is replicated (every rank holds all of it, a ``Replicate()``
+DTensor) when the user asked for it (``fxshard.no_shard``), when it is
+0-dimensional, or when it is frozen at compile time and the frozen
+parameters fit (``shard_frozen``).
+Reading one gathers nothing. Its gradient, if it gets one, is all-reduced
+(averaged) over the mesh: ``fxshard::replicate`` marks the read in compiled
+graphs, and its autograd formula is that all-reduce. A frozen parameter
+reads as a plain tensor and never meets a collective; if it is unfrozen
+later, dynamo's guard on ``requires_grad`` recompiles, and the read then
+carries the all-reduce. So a gradient is never left unreduced.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fxshard.params import GatheredParameter
+from fxshard.policy import MixedPrecision
+
+# Frozen parameters are replicated by default only while, replicated, they
+# take at most this share of the device's memory.
+FROZEN_REPLICATE_SHARE = 0.25
+
+
+class Placement(enum.Enum):
+    SHARD = "Shard(0)"
+    REPLICATE = "Replicate()"
+
+
+class Reduce(enum.Enum):
+    """What happens to the parameter's gradient."""
+
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_REDUCE = "all-reduce"
+    NONE = "none"  # frozen at compile: no gradient (see [Note: replicated parameters])
+
+
+class Lifetime(enum.Enum):
+    """How long a gathered value lives."""
+
+    LAST_USE = "until last use"  # ZeRO-3: freed after forward, gathered again for backward
+    STEP = "until backward"  # reshard_after_forward=False: kept from forward to backward
+    ALWAYS = "always"  # replicated: the local tensor is the full one
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter's plan: everything a read, a gradient and a checkpoint need."""
+
+    fqn: str
+    placement: Placement
+    reduce: Reduce
+    lifetime: Lifetime
+    dim0: int
+    world_size: int
+    group_name: str
+    reduce_group_name: str  # same ranks, another communicator (see fxshard::unshard)
+    dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
+    reduce_dtype: torch.dtype | None
+    requires_grad: bool  # at compile time
+    shape: tuple[int, ...]  # the full parameter's
+    shard_dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def replicated(self) -> bool:
+        return self.placement is Placement.REPLICATE
+
+    def describe(self) -> str:
+        dtypes = (
+            f"{_dtype(self.dtype or self.shard_dtype)}/{_dtype(self.reduce_dtype or self.dtype or self.shard_dtype)}"
+        )
+        return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {self.placement.value}, "
+                f"compute/reduce {dtypes}, gradient {self.reduce.value}, gathered value {self.lifetime.value}")  # fmt: skip
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# Modules and parameters that fxshard.no_shard marked, until compile reads them.
+# By id (a tensor compares elementwise, so it cannot be a set member), weakly.
+_NO_SHARD: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+
+
+def no_shard(target: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
+    """Keep ``target``'s parameters (a module's, recursively, or one
+    parameter) replicated on every rank when ``fxshard.compile`` shards the
+    model: no all-gather, and a gradient all-reduced (averaged) over the
+    mesh instead of reduce-scattered. Call it before ``fxshard.compile``;
+    returns ``target``. For parameters small enough that a gather costs more
+    than it saves, or that a kernel reads whole outside the forward."""
+    compiled = isinstance(target, (DTensor, GatheredParameter)) or (
+        isinstance(target, nn.Module) and any(isinstance(p, DTensor) for p in target.parameters())
+    )
+    if compiled:
+        raise ValueError(
+            "fxshard.no_shard was called after fxshard.compile; mark parameters before compiling: "
+            "fxshard.no_shard(model.vision); model = fxshard.compile(model, mesh)"
+        )
+    if not isinstance(target, (nn.Module, nn.Parameter)):
+        raise ValueError(
+            f"fxshard.no_shard takes a module or an nn.Parameter, got {type(target).__name__}; "
+            "e.g. fxshard.no_shard(model.vision_tower) or fxshard.no_shard(model.head.weight)"
+        )
+    _NO_SHARD[id(target)] = target
+    return target
+
+
+def _marked(model: nn.Module) -> set[int]:
+    """Ids of the parameters of ``model`` that ``no_shard`` marked, directly or through a module."""
+    marked = {id(p) for p in model.parameters() if _NO_SHARD.get(id(p)) is p}
+    for module in model.modules():
+        if _NO_SHARD.get(id(module)) is module:
+            marked.update(id(p) for p in module.parameters())
+    return marked
+
+
+def _device_memory(device: torch.device) -> int | None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def distinct_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Each parameter once (tied weights: by its first owner's path)."""
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        for attr, param in mod._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield (f"{mod_name}.{attr}" if mod_name else attr), param
+
+
+def build_plan(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    device: torch.device,
+    mp: MixedPrecision,
+    reduce_group_name: str,
+    reshard_after_forward: bool,
+    shard_frozen: bool,
+) -> dict[int, ParamPlan]:
+    """Each distinct parameter's plan, by the parameter's id, in registration order."""
+    marked = _marked(model)
+    params = list(distinct_parameters(model))
+    frozen = [p for _, p in params if not p.requires_grad and id(p) not in marked]
+    replicate_frozen = not shard_frozen
+    if replicate_frozen and frozen:
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+        memory = _device_memory(device)
+        if memory is not None and frozen_bytes > FROZEN_REPLICATE_SHARE * memory:
+            import logging
+
+            logging.getLogger("fxshard").warning(
+                "fxshard: the %d frozen parameters (%.2f GiB) would take more than %d%% of this device's memory "
+                "replicated; sharding them. Pass shard_frozen=True to say so, or fxshard.no_shard(...) to "
+                "replicate some of them",
+                len(frozen), frozen_bytes / 2**30, int(FROZEN_REPLICATE_SHARE * 100),
+            )  # fmt: skip
+            replicate_frozen = False
+    plans: dict[int, ParamPlan] = {}
+    for fqn, param in params:
+        # A 0-dimensional parameter (a learned scale) has no dim 0 to shard.
+        replicated = id(param) in marked or param.dim() == 0 or (replicate_frozen and not param.requires_grad)
+        if replicated:
+            reduce = Reduce.ALL_REDUCE if param.requires_grad else Reduce.NONE
+            lifetime = Lifetime.ALWAYS
+        else:
+            reduce = Reduce.REDUCE_SCATTER if param.requires_grad else Reduce.NONE
+            lifetime = Lifetime.LAST_USE if reshard_after_forward else Lifetime.STEP
+        dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
+        plans[id(param)] = ParamPlan(
+            fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,
+            param.shape[0] if param.dim() else 1, mesh.size(), mesh.get_group().group_name, reduce_group_name,
+            dtype, mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device,
+        )  # fmt: skip
+    return plans
+
+
+def format_plan(plans: tuple[ParamPlan, ...]) -> str:
+    """The plan in a few lines for the summary: counts per kind, and the
+    parameters of every kind but the most common one."""
+    kinds: dict[tuple, list[ParamPlan]] = {}
+    for p in plans:
+        kinds.setdefault((p.placement, p.reduce, p.lifetime), []).append(p)
+    common = max(kinds, key=lambda k: len(kinds[k])) if kinds else None
+    lines = [f"parameters: {len(plans)}"]
+    for (placement, reduce, lifetime), members in kinds.items():
+        head = f"  {len(members)} {placement.value}, gradient {reduce.value}, gathered value {lifetime.value}"
+        if (placement, reduce, lifetime) == common:
+            lines.append(head)
+            continue
+        names = ", ".join(p.fqn for p in members[:6]) + (f", ... ({len(members)})" if len(members) > 6 else "")
+        lines.append(f"{head}: {names}")
+    return "\n".join(lines) + "\n"
