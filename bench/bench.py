@@ -29,6 +29,8 @@ SDPA, SwiGLU, untied output), built from the same seed:
   a capture, then replays; the timed steps are replays only;
 - ``fxshard_capturable`` (not in the default set): ``fxshard_graph``'s step
   uncaptured, so that the two differ by the graph alone;
+- ``fxshard_no_sync``: with ``--micro-batches K``, all micro-batches but the
+  last under ``set_requires_gradient_sync(False)``;
 - ``fxshard_flat``, ``fxshard_r2``, ``fxshard_shard_frozen``: fxshard options
   (``FXSHARD_VARIANTS``). ``--frozen-layers N`` freezes the embedding and the
   first N layers, a frozen tower: fxshard replicates it, ``fxshard_shard_frozen``
@@ -101,7 +103,8 @@ FXSHARD_VARIANTS = {
     "fxshard_r2": {"reduces_in_flight": 2},  # two reduce-scatters in flight, two reduce inputs alive
     "fxshard_capturable": {},  # fxshard_graph's step, uncaptured
     "fxshard_graph": {},  # the step in fxshard.cuda_graph
-    "fxshard_shard_frozen": {"shard_frozen": True},  # with --frozen-layers: the frozen tower sharded, not replicated
+    "fxshard_shard_frozen": {"shard_frozen": True},
+    "fxshard_no_sync": {},  # with --micro-batches: only the last micro-batch reduces  # with --frozen-layers: the frozen tower sharded, not replicated
 }
 ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS)))
 # [Note: a step a CUDA graph can replay] A replay reuses the captured
@@ -115,6 +118,7 @@ GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "pers
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
 MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
+MICRO_BATCHES = 1  # forward and backward per micro-batch of --batch, one optimizer step (--micro-batches)
 FROZEN_LAYERS = 0  # the embedding and this many first layers frozen: a frozen tower (--frozen-layers)
 
 
@@ -152,8 +156,14 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
     set_to_none = system not in CAPTURABLE
 
     def train_step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
+        losses = []
+        for i, micro in enumerate(tokens.chunk(MICRO_BATCHES)):
+            if system == "fxshard_no_sync":
+                model.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
+            loss = lm_loss(model(micro), micro) / MICRO_BATCHES
+            loss.backward()
+            losses.append(loss.detach())
+        loss = torch.stack(losses).sum()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
         return loss
@@ -225,7 +235,7 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=3e-4, fused=True, capturable=system in CAPTURABLE)
     step = make_step(system, model, opt)
-    batches = [tokens_for(s, rank, batch, cfg.vocab) for s in range(warmup + steps)]
+    batches = [tokens_for(s, rank, batch * MICRO_BATCHES, cfg.vocab) for s in range(warmup + steps)]
     sync()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -237,10 +247,10 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
             step.reset()  # frees the graph and its pool before the process group goes
     times, losses = run["times"], run["losses"]
     median = statistics.median(times[warmup:])
-    tokens_per_gpu = batch * SEQ
+    tokens_per_gpu = batch * MICRO_BATCHES * SEQ
     flops = (6 * params + 6 * cfg.layers * SEQ * cfg.dim) * tokens_per_gpu
     result = dict(
-        model=name, system=system, params=params, batch=batch, seq=SEQ, world_size=dist.get_world_size(),
+        model=name, system=system, params=params, batch=batch, micro_batches=MICRO_BATCHES, seq=SEQ, world_size=dist.get_world_size(),
         warmup=warmup, step_ms=median * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / median,
         tflops_per_gpu=flops / median / 1e12, peak_gib=max(run["peaks"], default=0) / 2**30,
         peak_reserved_gib=max(run["reserved"], default=0) / 2**30, first_step_s=times[0],
@@ -413,6 +423,9 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     )
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="micro-batches of --batch per optimizer step, each with its backward; compare "
+                        "fxshard (reduces each) with fxshard_no_sync (reduces the last)")  # fmt: skip
     parser.add_argument("--frozen-layers", type=int, default=0,
                         help="freeze the embedding and this many first layers (a frozen tower); compare "
                         "fxshard (replicates them) with fxshard_shard_frozen and fsdp2_compile")  # fmt: skip
@@ -436,7 +449,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 # Options the driver passes on to each system's process as they were given.
 FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world",
-             "frozen_layers")  # fmt: skip
+             "frozen_layers", "micro_batches")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -536,8 +549,9 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 
 def main() -> None:
     parser, args = parse_args()
-    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS
+    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES
     DEVICE = args.device
+    MICRO_BATCHES = args.micro_batches or 1
     FROZEN_LAYERS = args.frozen_layers
     PROFILE = args.profile
     MEMORY_STEP = args.memory_step

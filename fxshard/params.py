@@ -174,7 +174,28 @@ def retire(old: torch.Tensor, fqn: str) -> None:
         _HOOK = register_optimizer_step_pre_hook(_check_optimizer)
 
 
+# Root states whose gradients may wait unreduced (see [Note: accumulation
+# without sync] in fxshard/runtime/ops.py), weakly: a step of an optimizer
+# holding such a model's parameters raises, as it would step on zeros.
+_UNSYNCED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def watch_unsynced(state: Any) -> None:
+    """``state.pending()``: gradients wait; ``state.fqns``: its shards' ids -> names."""
+    _UNSYNCED[id(state)] = state
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for state in list(_UNSYNCED.values()):
+        if not state.pending():
+            continue
+        held = [state.fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in state.fqns]
+        if held:
+            raise ValueError(
+                f"{type(optimizer).__name__}.step(): the gradients of {held[0]!r} and others were accumulated with "
+                "model.set_requires_gradient_sync(False) and are not reduced yet; run the last micro-batch's "
+                "backward after model.set_requires_gradient_sync(True), then step"
+            )
     if not _RETIRED:
         return
     for group in optimizer.param_groups:

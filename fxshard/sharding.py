@@ -65,13 +65,16 @@ from fxshard import params as param_writes
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
-from fxshard.runtime.ops import replicate, unshard
+from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
 from fxshard.runtime.units import ParamInfo
 
 log = logging.getLogger("fxshard")
 
 ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # keys in _fxshard_locals
+# The call's phase, in _fxshard_locals: a constant that dynamo guards on, so
+# each phase gets its own graph (see [Note: accumulation without sync]).
+PHASE = "__fxshard_phase__"
 
 # While set, every root module called appends itself: how ``fxshard.cuda_graph``
 # learns which models a step runs.
@@ -101,22 +104,35 @@ class FXShardModule:
 class FXShardRoot(FXShardModule):
     """Mixin of the class of the module that ``fxshard.compile`` was called on."""
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: the backward passes of the calls that follow accumulate full
+        gradients on each rank, with no collective; the next backward with
+        True reduces them with its own (FSDP2's name; see [Note: accumulation
+        without sync]). Every rank must make the same calls. ``recurse`` is
+        accepted for FSDP2's signature: the whole model is one root here."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ValueError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}")
+        self.__dict__[ROOT_STATE].sync = requires_gradient_sync
 
-def _gather(local: torch.Tensor, spec: ParamPlan) -> torch.Tensor:
+
+def _gather(local: torch.Tensor, spec: ParamPlan, phase: tuple[int, ...] = ()) -> torch.Tensor:
+    """``phase``: (phase, store id, plan index) outside the SYNC phase, () in it
+    (the marker's defaults; see [Note: accumulation without sync])."""
     if spec.replicated:
-        return replicate(local, spec.world_size, spec.reduce_group_name, spec.fqn, spec.dtype, spec.reduce_dtype)
+        return replicate(local, spec.world_size, spec.reduce_group_name, spec.fqn, spec.dtype, spec.reduce_dtype,
+                         *phase)  # fmt: skip
     return unshard(local, spec.dim0, spec.world_size, spec.group_name, spec.reduce_group_name, spec.fqn, spec.dtype,
-                   spec.reduce_dtype)  # fmt: skip
+                   spec.reduce_dtype, *phase)  # fmt: skip
 
 
-def _read_replicated(local: torch.Tensor, spec: ParamPlan) -> torch.Tensor:
+def _read_replicated(local: torch.Tensor, spec: ParamPlan, phase: tuple[int, ...]) -> torch.Tensor:
     """A replicated parameter inside a root call. Only a read that can get a
     gradient needs the marker (its backward all-reduces); a frozen one is
     the local tensor itself, cast at most (see [Note: replicated parameters]
     in fxshard/plan.py). Dynamo guards on ``requires_grad``, so unfreezing
     recompiles with the marker."""
     if local.requires_grad and torch.is_grad_enabled():
-        return _gather(local, spec)
+        return _gather(local, spec, phase)
     return local.to(spec.dtype) if spec.dtype is not None else local
 
 
@@ -186,8 +202,8 @@ class LocalShards:
             for module in self._modules:
                 module.__dict__["_fxshard_locals"].clear()
 
-    def scope(self) -> contextlib.AbstractContextManager[None]:
-        """The local shards, for the duration of one call."""
+    def scope(self, phase: int) -> contextlib.AbstractContextManager[None]:
+        """The local shards and the call's phase, for the duration of one call."""
         params = self._params()
         trained = [i for i, p in enumerate(params) if p.requires_grad]
         locals_: list[torch.Tensor | None] = [None] * len(params)
@@ -197,7 +213,9 @@ class LocalShards:
         for i, p in enumerate(params):
             if locals_[i] is None:
                 locals_[i] = p.to_local().detach()
-        return self._filled({pair: local for pairs, local in zip(self._owners, locals_) for pair in pairs})
+        values: dict = {pair: local for pairs, local in zip(self._owners, locals_) for pair in pairs}
+        values.update({(m, PHASE): phase for m in self._modules})
+        return self._filled(values)
 
     def anchors(self, anchor: torch.Tensor, frozen: torch.Tensor) -> contextlib.AbstractContextManager[None]:
         """The sequencer's anchors, for the duration of one sequenced call."""
@@ -205,7 +223,7 @@ class LocalShards:
                              for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
-def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int) -> property:
+def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int, store_id: int) -> property:
     shape, dtype = list(spec.shape), spec.dtype or spec.shard_dtype
     as_stored = dataclasses.replace(spec, dtype=None)
 
@@ -215,9 +233,10 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int) -> 
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
         if attr in table:  # inside a root call: the compute dtype, read by the graph
+            phase = () if table[PHASE] == SYNC else (table[PHASE], store_id, index)
             if spec.replicated:
-                return _read_replicated(table[attr], spec)
-            return _gather(table[attr], spec)
+                return _read_replicated(table[attr], spec, phase)
+            return _gather(table[attr], spec, phase)
         # Outside one (init, a submodule called directly, a read after
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
@@ -247,6 +266,8 @@ class RootState:
         # id of a shard on the meta device -> (it, the shard that replaced it)
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
+        self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
+        self.store = GradStore(sequencer.reduce_one)
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
         # Set by fxshard.compile: recompile allowing graph breaks; called once.
         self.on_graph_break: Callable[[BaseException], None] | None = None
@@ -297,15 +318,26 @@ class RootState:
         with compat.debug_calls_in_traces():
             return self._call(module, base, args, kwargs)
 
+    def _phase(self) -> int:
+        if not torch.is_grad_enabled():
+            return SYNC  # no gradient: the graph of no phase (inference)
+        if not self.sync:
+            return ACCUMULATE
+        return FLUSH if self.store.grads else SYNC
+
+    def pending(self) -> bool:
+        """Whether gradients accumulated without sync wait for a call with sync."""
+        return bool(self.store.grads) or self.sequencer.pending()
+
     def _sequenced_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
-        with self.sequencer.call() as (anchor, frozen), self.shards.anchors(anchor, frozen):
+        with self.sequencer.call(self.sync) as (anchor, frozen), self.shards.anchors(anchor, frozen):
             return base.__call__(module, *args, **kwargs)
 
     def _call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
         try:
-            with self.shards.scope():
+            with self.shards.scope(self._phase()):
                 out = base.__call__(module, *args, **kwargs)
         except Exception as error:
             if not compat.is_user_error(error):
@@ -451,8 +483,10 @@ def shard_parameters(
     sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
     shards = LocalShards(list(owners.values()))
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
+    param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():
-        props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id) for a, spec in attrs.items()}
+        props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id, state.store.id)
+                 for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     return state
 

@@ -75,6 +75,7 @@ class Case:
     batch: tuple[int, int] = (2, 16)  # rows, tokens per row (per micro-batch)
     compile_kwargs: dict = field(default_factory=dict)
     micro_batches: int = 1  # >1: forward and backward per micro-batch, one optimizer step
+    no_sync: bool = False  # all micro-batches but the last under set_requires_gradient_sync(False)
     steps: int = 20
 
 
@@ -112,6 +113,8 @@ CASES: dict[str, Case] = {
     "llama-reduces_in_flight2": Case(**LLAMA, compile_kwargs=dict(**SMALL_UNITS, reduces_in_flight=2)),
     "accumulate-llama": Case(**LLAMA, micro_batches=3, steps=8),
     "accumulate-hybrid": Case(**HYBRID, micro_batches=3, steps=8),
+    "accumulate-no_sync-llama": Case(**LLAMA, micro_batches=3, steps=8, no_sync=True),
+    "accumulate-no_sync-hybrid": Case(**HYBRID, micro_batches=3, steps=8, no_sync=True),
     "memory-hybrid": Case(make_model=_wide_hybrid, loss=_inside_loss, vocab=1001, batch=(4, 256), steps=3),
     "memory-llama": Case(make_model=_activation_llama, loss=_logits_loss, vocab=1000, batch=(4, 512), steps=3),
 }
@@ -141,6 +144,8 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, case: Case) -> Call
         else:
             losses = []
             for i in range(case.micro_batches):
+                if case.no_sync:
+                    model.set_requires_gradient_sync(i == case.micro_batches - 1)
                 micro = case.loss(model, tokens[i], labels[i]) / case.micro_batches
                 micro.backward()
                 losses.append(micro.detach())

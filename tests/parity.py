@@ -36,6 +36,10 @@ class Scenario:
     compile_kwargs: dict = field(default_factory=dict)
     freeze: tuple[str, ...] = ()
     forwards_per_step: int = 1  # >1: several forwards, one backward
+    # >1: micro-batches, each with its own backward, then one optimizer step;
+    # no_sync: all but the last under set_requires_gradient_sync(False).
+    micro_batches: int = 1
+    no_sync: bool = False
     atol: float = ATOL
     rtol: float = RTOL
     # bf16: Adam turns rounding noise on a near-zero gradient into a full
@@ -166,6 +170,49 @@ SCENARIOS: dict[str, Scenario] = {
         sequenced=True,
     ),
     "two_forwards_one_backward": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), forwards_per_step=2),
+    # Gradient accumulation over 3 micro-batches: reducing each one, and
+    # reducing only the last (set_requires_gradient_sync(False) before the
+    # others; see [Note: accumulation without sync]).
+    "accumulate_sync_each": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), micro_batches=3),
+    "accumulate_no_sync": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, compile_blocks_once=False),
+        micro_batches=3,
+        no_sync=True,
+        clip_norm=0.5,
+    ),
+    # Replicated and frozen parameters, bf16, an untied table (gathered, not
+    # looked up sharded, while accumulating), outlined layers.
+    "accumulate_no_sync_mixed": Scenario(
+        **UNTIED,
+        make_batch=_tokens,
+        atol=3e-2,
+        rtol=3e-2,
+        outlier_fraction=0.01,
+        compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
+        prepare=lambda m: fxshard.no_shard(m.layers[0].mlp),
+        freeze=("layers.1.attn.",),
+        micro_batches=3,
+        no_sync=True,
+    ),
+    "accumulate_no_sync_uneven": Scenario(
+        make_model=models.Uneven,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        micro_batches=2,
+        no_sync=True,
+    ),
+    "accumulate_no_sync_sequenced": Scenario(
+        make_model=models.GraphBreaks,
+        make_batch=lambda g: torch.randn(4, 6, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        prepare=lambda m: fxshard.no_shard(m.second),
+        micro_batches=3,
+        no_sync=True,
+        sequenced=True,
+    ),
     "mixed_precision_bf16": Scenario(
         **LLAMA,
         atol=3e-2,
@@ -311,12 +358,20 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, mismatches: list
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
     ref_opt = torch.optim.AdamW([p for p in master if p.requires_grad], lr=1e-2, eps=1e-6)
     for step in range(steps):
+        per_step = sc.forwards_per_step * sc.micro_batches
         gens = [torch.Generator().manual_seed(1000 * step + 10 * r + i) for r in range(world_size)
-                for i in range(sc.forwards_per_step)]  # fmt: skip
+                for i in range(per_step)]  # fmt: skip
         batches = [_to(sc.make_batch(g), device) for g in gens]
-        per_rank = [batches[r * sc.forwards_per_step : (r + 1) * sc.forwards_per_step] for r in range(world_size)]
-        loss = _step_loss(model, per_rank[rank], sc)
-        loss.backward()
+        per_rank = [batches[r * per_step : (r + 1) * per_step] for r in range(world_size)]
+        mine = per_rank[rank]
+        micro = [mine[i : i + sc.forwards_per_step] for i in range(0, per_step, sc.forwards_per_step)]
+        loss = 0
+        for i, part in enumerate(micro):
+            if sc.no_sync:
+                model.set_requires_gradient_sync(i == len(micro) - 1)
+            micro_loss = _step_loss(model, part, sc)
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         ref_losses = [_step_loss(ref, b, sc) for b in per_rank]
         (sum(ref_losses) / world_size).backward()
         close(loss.detach().float(), ref_losses[rank].detach().float(), f"step {step} loss", sc)

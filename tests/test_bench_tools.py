@@ -56,7 +56,8 @@ def test_gpu_busy_is_the_union_of_all_kernels():
 
 def _args(**kw) -> SimpleNamespace:
     base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, memory_step=None,
-                fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None)  # fmt: skip
+                fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None, frozen_layers=0,
+                micro_batches=None)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -66,6 +67,8 @@ def test_each_system_gets_a_process_of_its_own(monkeypatch):
     assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert command[5].endswith("bench/bench.py")
     assert set(command[6:]) == {"--only-system=fsdp2", "--out=o.json", "--model=tiny", "--device=cpu", "--batch=3"}
+    forwarded = bench.child_command(_args(frozen_layers=2, micro_batches=4), "fxshard_no_sync", Path("o.json"))
+    assert "--frozen-layers=2" in forwarded and "--micro-batches=4" in forwarded
     fake = bench.child_command(_args(fake_world=8), "fxshard", Path("o.json"))
     assert "torch.distributed.run" not in fake and "--fake-world=8" in fake
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
+import torch.nn as nn
 
 import fxshard
 from examples.llama import lm_loss
@@ -74,3 +76,84 @@ def _unfreeze_later(rank: int, world_size: int) -> dict:
 
 def test_unfrozen_after_compile_is_all_reduced():
     check_results(run_ranks(2, _unfreeze_later))
+
+
+def _micro_step(model, sync: bool) -> None:
+    model.set_requires_gradient_sync(sync)
+    tokens = torch.randint(0, 37, (2, 9))
+    lm_loss(model(tokens), tokens).backward()
+
+
+def test_accumulation_without_sync_compiles_one_graph_per_phase(fake_pg):
+    """Micro-batches without sync run a graph with no reduce (their full
+    gradients go to the store); the one with sync runs a graph that adds
+    them before its reduces; each compiles once."""
+    from fxshard.runtime.ops import ACCUMULATE_GRAD, TAKE_ACCUMULATED
+
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager")
+    for _ in range(2):
+        _micro_step(model, False)
+        _micro_step(model, False)
+        _micro_step(model, True)
+    accumulate, flush = model.fxshard_plan.graphs
+    n = len(model.fxshard_plan.params)
+    assert accumulate.reports["backward"].count("reduce") == 0
+    assert len([x for x in accumulate.backward.graph.nodes if x.target == ACCUMULATE_GRAD]) == n
+    assert len([x for x in flush.backward.graph.nodes if x.target == TAKE_ACCUMULATED]) == n
+    assert flush.reports["backward"].count("reduce") == n
+    assert "(accumulated: no collective)" in accumulate.collectives[0]
+    assert not model.fxshard_plan.root.pending()
+    _micro_step(model, True)  # no accumulation before it: the plain graph
+    assert len(model.fxshard_plan.graphs) == 3
+    assert model.fxshard_plan.graphs[2].reports["backward"].count("reduce") == n
+
+
+def test_optimizer_step_before_the_sync_backward_raises(fake_pg):
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters())
+    _micro_step(model, False)
+    with pytest.raises(ValueError, match=r"set_requires_gradient_sync\(True\)"):
+        opt.step()
+    _micro_step(model, True)
+    opt.step()
+    with pytest.raises(ValueError, match="True or False"):
+        model.set_requires_gradient_sync(0)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 5)
+        self.a = nn.Linear(5, 3)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        return getattr(self, head)(torch.tanh(self.body(x)))
+
+
+def _leftovers(rank: int, world_size: int) -> dict:
+    """Head ``a`` is used only by the micro-batches without sync: the graph
+    with sync takes nothing for it, and its sum is reduced when that
+    backward ends. Gradients match the unsharded sum over ranks."""
+    torch.manual_seed(0)
+    model, ref = _TwoHeads(), _TwoHeads()
+    ref.load_state_dict(model.state_dict())
+    fxshard.compile(model, backend="aot_eager")
+    xs = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(3)]
+          for r in range(world_size)]  # fmt: skip
+    heads = ("a", "a", "b")
+    for i, head in enumerate(heads):
+        model.set_requires_gradient_sync(i == 2)
+        model(xs[rank][i], head).pow(2).mean().backward()
+    (sum(ref(x, h).pow(2).mean() for r in range(world_size) for x, h in zip(xs[r], heads)) / world_size).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), refs[name].grad, atol=2e-5, rtol=1e-4, msg=name)
+    assert not model.fxshard_plan.root.pending()
+    return {}
+
+
+def test_accumulated_gradients_no_sync_read_took_are_reduced():
+    check_results(run_ranks(2, _leftovers))

@@ -46,7 +46,9 @@ def shard_embedding_pass(
             continue
         a = op_arguments(node)
         val = example_value(node)
-        if a["world_size"] == 1 or val is None or val.dim() != 2:
+        # Outside the SYNC phase the gradient is accumulated, not reduced: the
+        # table is gathered (see [Note: accumulation without sync]).
+        if a["world_size"] == 1 or val is None or val.dim() != 2 or a.get("phase", 0) != 0:
             continue
         lookups = [(user, _plain_lookup(user, node)) for user in node.users]
         if any(ids is None for _, ids in lookups):

@@ -12,6 +12,9 @@ from fxshard.passes.lower import op_arguments
 from fxshard.passes.markers import example_value, is_replicate, is_unshard
 from fxshard.runtime.embedding import EMBEDDING
 
+# See [Note: accumulation without sync] in fxshard/runtime/ops.py.
+_PHASES = {0: "", 1: " (accumulated: no collective)", 2: " (with the accumulated sum)"}
+
 
 def _dtype(value: object) -> str:
     return str(value).replace("torch.", "") if value is not None else "as stored"
@@ -24,12 +27,14 @@ def _line(node: fx.Node) -> str | None:
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
         gradient = f", gradient reduce-scattered in {_dtype(a['reduce_dtype'])}" if reduced else ", no gradient"
+        gradient += _PHASES[a.get("phase", 0)] if reduced else ""
         return f"all-gather of {a['param']!r} {shape} in {_dtype(a['dtype'])}{gradient}"
     if is_replicate(node):
         a = op_arguments(node)
         val = example_value(node)
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
         gradient = f", gradient all-reduced in {_dtype(a['reduce_dtype'])}" if reduced else ", no gradient"
+        gradient += _PHASES[a.get("phase", 0)] if reduced else ""
         return f"replicated {a['param']!r} in {_dtype(a['dtype'])}{gradient}"
     if node.op == "call_function" and node.target is EMBEDDING:
         a = op_arguments(node)

@@ -71,6 +71,7 @@ class SeqEntry:
 class _Call:
     id: int
     grad: bool  # grad mode when the call began
+    sync: bool = True  # False: its gradients are kept for the next call with sync
     next: int = 0  # plan index of the next gather
     full: dict[int, torch.Tensor] = field(default_factory=dict)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -93,14 +94,17 @@ class Sequencer:
         self._current: _Call | None = None
         self._pending: dict[int, _Call] = {}  # grad-mode calls whose reduces wait for backward
         self._flush_queued = False
+        self._held: dict[int, torch.Tensor] = {}  # gradients of calls without sync, summed per parameter
         self.gathers = self.reduces = 0  # collectives issued, for tests and logs
 
     @contextlib.contextmanager
-    def call(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One call of the root module; yields (anchor, frozen anchor)."""
+    def call(self, sync: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One call of the root module; yields (anchor, frozen anchor).
+        ``sync`` False keeps the call's gradients unreduced for the next call
+        with sync (see [Note: accumulation without sync] in runtime/ops.py)."""
         if self._current is not None:
             raise RuntimeError("the fxshard model was called from inside its own forward")
-        call = _Call(next(self._calls), torch.is_grad_enabled())
+        call = _Call(next(self._calls), torch.is_grad_enabled(), sync)
         anchor = torch.full((1,), float(call.id), dtype=torch.float64, requires_grad=call.grad)
         frozen = torch.full((1,), float(call.id), dtype=torch.float64)
         self._current = call
@@ -162,6 +166,16 @@ class Sequencer:
         for call_id in sorted(self._pending):
             call = self._pending.pop(call_id)
             call.full.clear()
+            if not call.sync:  # no collective: hold the gradients for a call with sync
+                for k, grad in call.grads.items():
+                    if k in self._held:
+                        self._held[k] += grad
+                    else:
+                        self._held[k] = grad
+                continue
+            for k, grad in self._held.items():
+                call.grads[k] = call.grads[k] + grad if k in call.grads else grad
+            self._held.clear()
             # Which parameters got a gradient on some rank: the others keep
             # grad None, as in unsharded training (AdamW skips them).
             got = any_rank(torch.tensor([k in call.grads for k in trainable], device=self.entries[0].local().device),
@@ -174,13 +188,22 @@ class Sequencer:
                 if grad is None:
                     local = e.local()
                     grad = local.new_zeros(e.full_shape, dtype=e.reduce_dtype or e.dtype or local.dtype)
-                if e.replicated:
-                    shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
-                else:
-                    shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name,
-                                            e.reduce_dtype, e.shard_dtype)  # fmt: skip
-                self.reduces += 1
-                e.add_grad(shard)
+                self.reduce_one(k, grad)
+
+    def pending(self) -> bool:
+        """Whether gradients of calls without sync wait for a call with sync."""
+        return bool(self._held) or any(not c.sync for c in self._pending.values())
+
+    def reduce_one(self, k: int, grad: torch.Tensor) -> None:
+        """Reduce parameter ``k``'s full gradient into its ``.grad``."""
+        e = self.entries[k]
+        grad = grad.reshape(e.full_shape)
+        if e.replicated:
+            shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
+        else:
+            shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
+        self.reduces += 1
+        e.add_grad(shard)
 
 
 def param_name(sequencer: int, index: int) -> str:
