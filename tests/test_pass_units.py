@@ -224,12 +224,11 @@ def test_schedule_prefetches_the_next_unit():
     """prefetch=1: unit u's gather is issued before unit u - 1's wait, so it
     runs while unit u - 1 computes; prefetch=0 leaves each gather at its wait."""
     gm, units = _gather_chain(3)
-    record = []
-    schedule_collectives_pass(gm, [], unit_bytes=1, prefetch=1, record=record)
+    schedule = schedule_collectives_pass(gm, [], unit_bytes=1, prefetch=1).record
     pos = _positions(gm)
     (g0, w0, use0), (g1, w1, use1), (g2, w2, _) = units
     assert pos[g0] < pos[g1] < pos[w0] < pos[use0] < pos[g2] < pos[w1] < pos[use1] < pos[w2]
-    assert record[0].units == ((g0.name,), (g1.name,), (g2.name,)) and record[0].prefetch == 1
+    assert schedule.units == ((g0.name,), (g1.name,), (g2.name,)) and schedule.prefetch == 1
 
     gm, units = _gather_chain(3)
     before = list(gm.graph.nodes)
@@ -263,8 +262,7 @@ def test_schedule_defers_reduce_waits_by_reduces_in_flight():
     to the end): at most that many reduce inputs are alive."""
     for in_flight in (1, 2):
         gm, units = _reduce_chain(4)
-        record = []
-        schedule_collectives_pass(gm, [], unit_bytes=1, prefetch=1, max_reduces_in_flight=in_flight, record=record)
+        schedule = schedule_collectives_pass(gm, [], unit_bytes=1, prefetch=1, max_reduces_in_flight=in_flight).record
         pos = _positions(gm)
         output = next(n for n in gm.graph.nodes if n.op == "output")
         for i, unit in enumerate(units):
@@ -275,7 +273,7 @@ def test_schedule_defers_reduce_waits_by_reduces_in_flight():
                 assert pos[later["grad"]] < wait < pos[later["inp"]], (in_flight, i)
             else:  # nothing later to wait for: at the end
                 assert wait > pos[units[-1]["rs"]] and wait < pos[output], (in_flight, i)
-        assert record[0].deferred_reduces == 4
+        assert schedule.deferred_reduces == 4
 
 
 # -- tag_unshard -------------------------------------------------------------

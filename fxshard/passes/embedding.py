@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from fxshard.passes.lower import op_arguments
 from fxshard.passes.markers import example_value, is_unshard
+from fxshard.passes.runner import Recorded
 from fxshard.runtime.embedding import EMBEDDING
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
@@ -34,13 +35,13 @@ def _plain_lookup(user: fx.Node, weight: fx.Node) -> fx.Node | None:
     return args["input"] if isinstance(args["input"], fx.Node) else None
 
 
-def shard_embedding_pass(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], *, count_group_name: str, record: list | None = None
-) -> fx.GraphModule:
+def shard_embedding_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, count_group_name: str) -> Recorded:
     """Replace each embedding lookup that is its table's only reader by
     ``fxshard::embedding`` on the local shard. A table read any other way
-    (tied to an output projection, say) keeps its gather."""
+    (tied to an output projection, say) keeps its gather. The record is the
+    tables looked up sharded."""
     graph = gm.graph
+    sharded: list[str] = []
     for node in list(graph.nodes):
         if not is_unshard(node) or not node.users:
             continue
@@ -62,7 +63,6 @@ def shard_embedding_pass(
             user.replace_all_uses_with(new)
             graph.erase_node(user)
         graph.erase_node(node)
-        if record is not None:
-            record.append(a["param"])
+        sharded.append(a["param"])
     graph.lint()
-    return gm
+    return Recorded(gm, tuple(sharded))

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxshard.passes.dump import dotted_path
 from fxshard.passes.lower import op_arguments
 from fxshard.passes.markers import example_value, full_weight_views, is_unshard, is_weight_read
+from fxshard.passes.runner import Recorded
 from fxshard.passes.tagging import backward_nodes
 from fxshard.runtime import compat
 
@@ -192,13 +193,12 @@ def _body(gm: fx.GraphModule, block: _Block) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def outline_blocks_pass(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], *, record: OutlineRecord | None = None
-) -> fx.GraphModule:
-    """Replace alike blocks by ``invoke_subgraph`` calls of one body each."""
+def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Recorded:
+    """Replace alike blocks by ``invoke_subgraph`` calls of one body each;
+    the record is an ``OutlineRecord``."""
     graph = gm.graph
     if _HOP is None:
-        return gm
+        return Recorded(gm, OutlineRecord())
     by_list: dict[str, dict[int, list[fx.Node]]] = {}
     for node in graph.nodes:
         if node.op == "placeholder" or node.op == "output" or is_weight_read(node):
@@ -219,7 +219,7 @@ def outline_blocks_pass(
             else:
                 classes.setdefault(block.key, []).append(block)
     if not classes and not inline:
-        return gm
+        return Recorded(gm, OutlineRecord())
     bodies: list[list[str]] = []
     outlined: list[tuple[_Block, str]] = []
     weights: list[list[str]] = []
@@ -239,9 +239,7 @@ def outline_blocks_pass(
         renamed.update(_replace(graph, block, body_name))
     graph.lint()
     gm.recompile()
-    if record is not None:
-        record.bodies, record.inline, record.weights = bodies, sorted(inline), weights
-    return gm
+    return Recorded(gm, OutlineRecord(bodies, sorted(inline), weights))
 
 
 def _replace(graph: fx.Graph, block: _Block, body_name: str) -> dict[fx.Node, fx.Node]:

@@ -208,15 +208,14 @@ class FXShardBackend:
         if self.spec.debug_dir:
             dumper = Dumper(Path(self.spec.debug_dir) / f"rank{self.spec.rank}" / f"graph{record.index}")
         captured = [GraphPass("dedupe_unshard", dedupe_unshard_pass)]
-        lookups: list[str] = []
         if self.spec.embedding_count_group is not None:
-            shard_lookups = functools.partial(shard_embedding_pass, count_group_name=self.spec.embedding_count_group,
-                                              record=lookups)  # fmt: skip
+            shard_lookups = functools.partial(shard_embedding_pass, count_group_name=self.spec.embedding_count_group)
             captured.append(GraphPass("shard_embedding", shard_lookups))
         if self.spec.outline_blocks:
-            captured.append(GraphPass("outline_blocks", functools.partial(outline_blocks_pass, record=record.outline)))
-        record.captured = run_passes(gm, example_inputs, captured, phase="captured", dumper=dumper)
-        record.sharded_lookups = tuple(lookups)
+            captured.append(GraphPass("outline_blocks", outline_blocks_pass))
+        record.captured, records = run_passes(gm, example_inputs, captured, phase="captured", dumper=dumper)
+        record.sharded_lookups = records.get("shard_embedding", ())
+        record.outline = records.get("outline_blocks", record.outline)
         if self.units is not None:
             first_use = [op_arguments(n)["param"] for n in record.captured.graph.nodes if is_unshard(n)]
             self.units.assign(first_use, self.spec.unit_bytes, blocks=record.outline.weights)
@@ -257,7 +256,7 @@ class FXShardBackend:
             passes.insert(0, GraphPass("reroute_saved_inputs", reroute_saved_inputs_pass))
             if self._policy == CheckpointPolicy.MUST_RECOMPUTE:
                 passes.insert(1, GraphPass("tag_body_inputs", tag_body_inputs_pass, edits_graph=False))
-        return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)
+        return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)[0]
 
     def _compile_graph(
         self,
@@ -284,18 +283,17 @@ class FXShardBackend:
         self._note_saved_full_weights(record, phase, gm)
         decompositions = compat.inductor_decompositions() if self.spec.compiler == "inductor" else None
         lower = functools.partial(lower_collectives_pass, decompositions=decompositions)
-        schedules: list[Schedule] = []
         schedule = functools.partial(schedule_collectives_pass, unit_bytes=self.spec.unit_bytes,
-                                     prefetch=self.spec.prefetch, max_reduces_in_flight=self.spec.reduces_in_flight,
-                                     record=schedules)  # fmt: skip
+                                     prefetch=self.spec.prefetch,
+                                     max_reduces_in_flight=self.spec.reduces_in_flight)  # fmt: skip
         passes = [
             GraphPass("bucket_collectives", functools.partial(bucket_collectives_pass, units=self.units)),
             GraphPass("lower_collectives", lower),
             GraphPass("schedule_collectives", schedule),
         ]
-        gm = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
-        if schedules:
-            record.schedules[phase] = schedules[0]
+        gm, records = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
+        if "schedule_collectives" in records:
+            record.schedules[phase] = records["schedule_collectives"]
         # A backward frees its saved activations as it goes; see [Note: peak estimate].
         record.peaks[phase] = graph_peak(gm.graph, free_inputs=phase == "backward")
         if phase == "backward":

@@ -1,8 +1,9 @@
 """One runner for every pass list: logs, times, dumps and can disable passes.
 
 A pass is ``fn(gm, example_inputs) -> gm`` with its options bound when the
-list is built (``functools.partial``). The runner knows nothing about any one
-pass. ``FXSHARD_DISABLE_PASSES=name,name`` skips passes by name, for bisecting.
+list is built (``functools.partial``); a pass that reports what it did
+returns ``Recorded(gm, record)`` instead, and ``run_passes`` hands the records
+back by pass name. The runner knows nothing about any one pass. ``FXSHARD_DISABLE_PASSES=name,name`` skips passes by name, for bisecting.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from fxshard.passes.dump import Dumper
 
 log = logging.getLogger("fxshard")
 
-PassFn = Callable[[fx.GraphModule, Sequence[Any]], fx.GraphModule]
+
+@dataclass(frozen=True)
+class Recorded:
+    """A pass's graph and its record of what it did."""
+
+    gm: fx.GraphModule
+    record: Any
+
+
+PassFn = Callable[[fx.GraphModule, Sequence[Any]], "fx.GraphModule | Recorded"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,14 @@ def run_passes(
     *,
     phase: str,
     dumper: Dumper | None,
-) -> fx.GraphModule:
-    """Apply ``passes`` in order to the ``phase`` graph (forward, backward...).
+) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """Apply ``passes`` in order to the ``phase`` graph (forward, backward...);
+    return the graph and the records of the passes that returned one.
     Passes edit ``gm.graph``; its Python code is regenerated once, at the end
     (and before each dump), not after every pass: for a 16-layer Llama's
     forward and backward, eight ``recompile`` calls took 3 s (CPU, profiled)."""
     skip = disabled_passes()
+    records: dict[str, Any] = {}
     for index, graph_pass in enumerate(passes):
         if graph_pass.name in skip:
             log.warning("fxshard: pass %s disabled by FXSHARD_DISABLE_PASSES", graph_pass.name)
@@ -72,6 +84,8 @@ def run_passes(
         counts = op_counts(gm)
         start = time.perf_counter()
         gm = graph_pass.fn(gm, example_inputs)
+        if isinstance(gm, Recorded):
+            gm, records[graph_pass.name] = gm.gm, gm.record
         elapsed_ms = (time.perf_counter() - start) * 1e3
         log.info("fxshard %s: %s took %.1f ms (%s)", phase, graph_pass.name, elapsed_ms, _diff(counts, op_counts(gm)))
         if dumper:
@@ -79,4 +93,4 @@ def run_passes(
             dumper.graph(f"{phase}/{index:02d}_{graph_pass.name}.after", gm)
     if any(p.edits_graph and p.name not in skip for p in passes):
         gm.recompile()
-    return gm
+    return gm, records

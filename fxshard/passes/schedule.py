@@ -48,6 +48,7 @@ import torch.fx as fx
 from fxshard.passes.bucket import NBYTES
 from fxshard.passes.lower import LOWERED
 from fxshard.passes.markers import nbytes
+from fxshard.passes.runner import Recorded
 from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT
 
 _funcol = torch.ops._c10d_functional
@@ -242,12 +243,8 @@ def schedule_collectives_pass(
     unit_bytes: int,
     prefetch: int,
     max_reduces_in_flight: int = 1,
-    record: list | None = None,
-) -> fx.GraphModule:
+) -> Recorded:
     """Matches lowered ``_c10d_functional`` all-gathers and reduce-scatters
     with their waits; moves them (see [Note: prefetch by units]). Does nothing
-    on a graph without collectives."""
-    schedule = schedule_collectives(gm.graph, unit_bytes, prefetch, max_reduces_in_flight)
-    if record is not None:
-        record.append(schedule)
-    return gm
+    on a graph without collectives. The record is the ``Schedule``."""
+    return Recorded(gm, schedule_collectives(gm.graph, unit_bytes, prefetch, max_reduces_in_flight))
