@@ -26,7 +26,7 @@ from fxshard.plan import ParamPlan, build_plan, format_plan
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.units import Units
-from fxshard.sharding import FXShardModule, RootState, shard_parameters
+from fxshard.sharding import PLAN, FXShardModule, RootState, shard_parameters
 
 log = logging.getLogger("fxshard")
 
@@ -257,9 +257,6 @@ def _write_plan(debug_dir: str, mesh: DeviceMesh, params: tuple[ParamPlan, ...])
         f.write(format_plan(params) + "\n" + "\n".join(p.describe() for p in params) + "\n")
 
 
-PLAN = "_fxshard_plan"  # the ShardPlan, in the root's instance __dict__
-
-
 def compile(  # noqa: A001 - the public name, as in torch.compile
     model: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -389,6 +386,5 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
     checkpoint.install(model)  # full state dicts load into the shards
-    type(model).fxshard_plan = property(lambda self: self.__dict__[PLAN], doc="The ShardPlan fxshard.compile made.")
     log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
     return model

@@ -101,8 +101,16 @@ class FXShardModule:
         )
 
 
+PLAN = "_fxshard_plan"  # the ShardPlan, in the root's instance __dict__ (see _root_methods)
+
+
 class FXShardRoot(FXShardModule):
     """Mixin of the class of the module that ``fxshard.compile`` was called on."""
+
+    @property
+    def fxshard_plan(self) -> Any:
+        """The ``ShardPlan`` that ``fxshard.compile`` made."""
+        return self.__dict__[PLAN]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: the backward passes of the calls that follow accumulate full
