@@ -46,6 +46,12 @@ def lora_llama():
     return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
 
 
+def lora_frozen() -> tuple[str, ...]:
+    """The base model's parameter names: what peft freezes (the harness sets
+    requires_grad from Scenario.freeze, so it must name them)."""
+    return tuple(n for n, _ in lora_llama().named_parameters() if "lora_" not in n)
+
+
 def images(g):
     return torch.randn(2, 3, 32, 32, generator=g)
 
@@ -73,8 +79,11 @@ SC = {
         loss=lambda out, b: out.loss,
         steps=2,
         compile_kwargs=dict(backend="aot_eager"),
+        freeze=lora_frozen(),
     ),
-    "peft_lora_llama": Scenario(make_model=lora_llama, make_batch=tokens, loss=lambda out, b: out.loss, steps=2),
+    "peft_lora_llama": Scenario(
+        make_model=lora_llama, make_batch=tokens, loss=lambda out, b: out.loss, steps=2, freeze=lora_frozen()
+    ),
 }
 
 
@@ -85,7 +94,9 @@ def run(rank, ws, names):
     for n in names:
         try:
             m = train_and_compare(rank, ws, SC[n])["model"]
-            out[n] = f"OK sequenced={m.fxshard_plan.sequenced} reason={m.fxshard_plan.graph_break_reason}"
+            placements = [p.placement.value for p in m.fxshard_plan.params]
+            out[n] = (f"OK sequenced={m.fxshard_plan.sequenced} reason={m.fxshard_plan.graph_break_reason} "
+                      f"replicated={placements.count('Replicate()')} sharded={placements.count('Shard(0)')}")  # fmt: skip
         except Exception:
             out[n] = traceback.format_exc()[-1500:]
         torch._dynamo.reset()
