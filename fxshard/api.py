@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fxshard import checkpoint
 from fxshard.checks import check_same_model
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
-from fxshard.plan import ParamPlan, build_plan, format_plan
+from fxshard.plan import ParamPlan, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.units import Units
@@ -356,12 +356,13 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     explicit = _explicit_units(model, units)
     mesh = _resolve_mesh(model, mesh)
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
-    check_same_model(model, mesh, values=check_same_init)
+    device = _mesh_device(mesh)
+    whole = marked(model)
+    memory = check_same_model(model, mesh, values=check_same_init, whole=whole, memory=device_memory(device))
 
     reduce_group_name = _reduce_group(mesh)
     _check_collectives(mesh, reduce_group_name)
-    device = _mesh_device(mesh)
-    plans = build_plan(model, mesh, device, mp_policy, reduce_group_name, reshard_after_forward, shard_frozen)
+    plans = build_plan(model, mesh, device, mp_policy, reduce_group_name, reshard_after_forward, shard_frozen, memory)
     params = tuple(plans.values())
     state = shard_parameters(model, plans, mesh, device, sequenced=backend == "eager")
     if debug_dir:

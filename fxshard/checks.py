@@ -65,9 +65,9 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _layout(params: list[tuple[str, nn.Parameter]]) -> list[str]:
+def _layout(params: list[tuple[str, nn.Parameter]], whole: set[int]) -> list[str]:
     return [f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} requires_grad={p.requires_grad}"
-            for name, p in params]  # fmt: skip
+            + (" no_shard" if id(p) in whole else "") for name, p in params]  # fmt: skip
 
 
 def _hash64(lines: list[str]) -> int:
@@ -96,14 +96,23 @@ def _first_difference(layouts: list[list[str]]) -> str:
     return "the parameter lists differ"
 
 
-def check_same_model(model: nn.Module, mesh: DeviceMesh, values: bool) -> None:
+def check_same_model(
+    model: nn.Module, mesh: DeviceMesh, values: bool, whole: set[int], memory: int | None
+) -> int | None:
     """Raise ``ValueError`` on every rank unless every rank of ``mesh`` holds
-    the same parameters and, with ``values``, the same initial values."""
+    the same parameters (``whole``: the ids of those ``fxshard.no_shard``
+    marked) and, with ``values``, the same initial values. Returns the
+    smallest ``memory`` (device bytes, None for unknown) of all ranks, so that
+    decisions made from it are the same on every rank."""
     if mesh.size() == 1 or compat.group_backend(mesh.get_group().group_name) == "fake":
-        return  # the fake group moves no data: nothing to compare
+        return memory  # the fake group moves no data: nothing to compare
     params = _distinct(model)
-    layout = _layout(params)
-    heads = _all_gather(torch.tensor([len(layout), _hash64(layout)], dtype=torch.int64), mesh)
+    layout = _layout(params, whole)
+    mine = -1 if memory is None else memory
+    heads = _all_gather(torch.tensor([len(layout), _hash64(layout), mine], dtype=torch.int64), mesh)
+    memories = heads[:, 2]
+    smallest = None if bool((memories < 0).any()) else int(memories.min())
+    heads = heads[:, :2]
     if not bool((heads == heads[0]).all()):
         layouts: list = [None] * mesh.size()
         dist.all_gather_object(layouts, layout, group=mesh.get_group())
@@ -112,7 +121,7 @@ def check_same_model(model: nn.Module, mesh: DeviceMesh, values: bool) -> None:
             "build the same model (same architecture and configuration) before fxshard.compile"
         )
     if not values or not params:
-        return
+        return smallest
     sums = _all_gather(torch.stack([checksum(p) for _, p in params]).cpu(), mesh)
     differs = (sums != sums[0]).any(0)
     if bool(differs.any()):
@@ -124,3 +133,4 @@ def check_same_model(model: nn.Module, mesh: DeviceMesh, values: bool) -> None:
             "(torch.manual_seed(0)) before building the model, or load the same checkpoint on every rank, "
             "before fxshard.compile; check_same_init=False skips this check"
         )
+    return smallest

@@ -242,6 +242,7 @@ class CapturedStep:
         self._models = [weakref.ref(m) for m in models]
         self._optimizers = [weakref.ref(o) for o in optimizers]
         self._held = _Held(models, optimizers)
+        self._syncs = [m.fxshard_plan.root.sync for m in models]
         self._settings = [_plain_settings(o) for o in optimizers]
 
     def _capture_stream(self) -> torch.cuda.Stream:
@@ -258,6 +259,12 @@ class CapturedStep:
                     f"fxshard.cuda_graph: {type(model).__name__} runs as several graphs with Python between them "
                     "(fxshard's sequenced reads), which one CUDA graph cannot hold. Remove the graph break; "
                     f"model.fxshard_plan.graph_break_reason says: {plan.graph_break_reason}"
+                )
+            if plan.root.pending():
+                raise ValueError(
+                    f"fxshard.cuda_graph: the step leaves {type(model).__name__}'s gradients kept without sync "
+                    "(set_requires_gradient_sync(False)), and a replay cannot carry them to the next call. Capture "
+                    "every micro-batch of one optimizer step, the last with set_requires_gradient_sync(True)"
                 )
             if plan.mesh.device_type != "cuda":
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__} is sharded over a "
@@ -315,6 +322,13 @@ class CapturedStep:
         if any(x is None for x in (*models, *optimizers)):
             raise ValueError("fxshard.cuda_graph: a model or optimizer the step was captured with is gone; "
                              "call reset() to capture again")  # fmt: skip
+        syncs = [m.fxshard_plan.root.sync for m in models]
+        if syncs != self._syncs:
+            raise ValueError(
+                "fxshard.cuda_graph: set_requires_gradient_sync changed since the capture, and a replay runs the "
+                "captured phase. Toggle it inside the captured step (all micro-batches of one optimizer step), "
+                "or call step.reset() to capture again"
+            )
         if not self._held.same():
             raise ValueError(
                 "fxshard.cuda_graph: a parameter shard, gradient or optimizer state the step was captured with was "

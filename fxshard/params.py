@@ -187,6 +187,7 @@ def watch_unsynced(state: Any) -> None:
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for state in list(_UNSYNCED.values()):
+        state.check_kept()
         if not state.pending():
             continue
         held = [state.fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in state.fqns]

@@ -123,7 +123,7 @@ def no_shard(target: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
     return target
 
 
-def _marked(model: nn.Module) -> set[int]:
+def marked(model: nn.Module) -> set[int]:
     """Ids of the parameters of ``model`` that ``no_shard`` marked, directly or through a module."""
     marked = {id(p) for p in model.parameters() if _NO_SHARD.get(id(p)) is p}
     for module in model.modules():
@@ -132,7 +132,8 @@ def _marked(model: nn.Module) -> set[int]:
     return marked
 
 
-def _device_memory(device: torch.device) -> int | None:
+def device_memory(device: torch.device) -> int | None:
+    """This rank's device memory in bytes (RAM for the CPU); None if unknown."""
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "cpu" and hasattr(os, "sysconf"):
@@ -162,15 +163,17 @@ def build_plan(
     reduce_group_name: str,
     reshard_after_forward: bool,
     shard_frozen: bool,
+    memory: int | None,
 ) -> dict[int, ParamPlan]:
-    """Each distinct parameter's plan, by the parameter's id, in registration order."""
-    marked = _marked(model)
+    """Each distinct parameter's plan, by the parameter's id, in registration
+    order. ``memory``: the smallest device memory of all ranks (bytes), so
+    that every rank decides alike whether frozen parameters fit."""
+    whole = marked(model)
     params = list(distinct_parameters(model))
-    frozen = [p for _, p in params if not p.requires_grad and id(p) not in marked]
+    frozen = [p for _, p in params if not p.requires_grad and id(p) not in whole]
     replicate_frozen = not shard_frozen
     if replicate_frozen and frozen:
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-        memory = _device_memory(device)
         if memory is not None and frozen_bytes > FROZEN_REPLICATE_SHARE * memory:
             import logging
 
@@ -184,7 +187,7 @@ def build_plan(
     plans: dict[int, ParamPlan] = {}
     for fqn, param in params:
         # A 0-dimensional parameter (a learned scale) has no dim 0 to shard.
-        replicated = id(param) in marked or param.dim() == 0 or (replicate_frozen and not param.requires_grad)
+        replicated = id(param) in whole or param.dim() == 0 or (replicate_frozen and not param.requires_grad)
         if replicated:
             reduce = Reduce.ALL_REDUCE if param.requires_grad else Reduce.NONE
             lifetime = Lifetime.ALWAYS

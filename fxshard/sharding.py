@@ -181,6 +181,10 @@ class LocalShards:
         for module in self._modules:
             module.__dict__["_fxshard_locals"] = {}
 
+    def parameters(self) -> list[DTensor]:
+        """Each distinct parameter, as its owner holds it now."""
+        return [module._parameters[attr] for (module, attr), *_ in self._owners]
+
     def _params(self) -> list[DTensor]:
         params = []
         for (module, attr), *_ in self._owners:
@@ -275,7 +279,9 @@ class RootState:
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
         self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
-        self.store = GradStore(sequencer.reduce_one)
+        self.store = GradStore(sequencer.reduce_one, self._note_kept)
+        sequencer.after_hold = self._note_kept
+        self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
         # Set by fxshard.compile: recompile allowing graph breaks; called once.
         self.on_graph_break: Callable[[BaseException], None] | None = None
@@ -337,11 +343,30 @@ class RootState:
         """Whether gradients accumulated without sync wait for a call with sync."""
         return bool(self.store.grads) or self.sequencer.pending()
 
+    def _grads_now(self) -> tuple:
+        grads = [p.grad for p in self.shards.parameters()]
+        return tuple(None if g is None else (id(g), g._version, compat.local_tensor(g)._version) for g in grads)
+
+    def _note_kept(self) -> None:
+        self._kept_grads = self._grads_now()
+
+    def check_kept(self) -> None:
+        """Drop the gradients kept without sync if ``.grad`` was reset since
+        (see [Note: accumulation without sync] in runtime/ops.py)."""
+        if not self.pending() or self._kept_grads is None or self._grads_now() == self._kept_grads:
+            return
+        log.warning("fxshard: gradients were reset (zero_grad) after micro-batches without sync; dropping the "
+                    "gradients kept for those micro-batches, as their .grad was")  # fmt: skip
+        self.store.grads.clear()
+        self.sequencer.drop_held()
+        self._kept_grads = None
+
     def _sequenced_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         with self.sequencer.call(self.sync) as (anchor, frozen), self.shards.anchors(anchor, frozen):
             return base.__call__(module, *args, **kwargs)
 
     def _call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        self.check_kept()
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
         try:

@@ -177,3 +177,26 @@ def test_estimates_survive_a_compile_cache_hit(no_dist, tmp_path, monkeypatch):
 
     Path(again.estimates_file).write_text("{not json")
     assert load_estimates(again.estimates_file) is None  # a damaged file is no estimate, not an error
+
+
+def test_sync_state_is_part_of_the_capture(no_dist):
+    """A step that leaves gradients kept without sync cannot be captured, and
+    toggling set_requires_gradient_sync after the capture raises on replay."""
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4)
+    model.set_requires_gradient_sync(False)
+    model(x).sum().backward()
+    step = fxshard.cuda_graph(lambda x: None)
+    with pytest.raises(ValueError, match=r"kept without sync.*set_requires_gradient_sync\(True\)"):
+        step._check_ran([model], [])
+    model.set_requires_gradient_sync(True)
+    _trained(model, opt, x)
+    graph = _as_captured(step, [model], [opt], x)
+    step(x)
+    model.set_requires_gradient_sync(False)
+    with pytest.raises(ValueError, match="set_requires_gradient_sync changed since the capture"):
+        step(x)
+    model.set_requires_gradient_sync(True)
+    step(x)
+    assert graph.replays == 2

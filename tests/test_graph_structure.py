@@ -283,6 +283,8 @@ def test_no_shard_reads_whole_and_all_reduces(fake_pg):
     reduce_group = model.fxshard_plan.params[0].reduce_group_name
     assert all(n.args[2] == reduce_group for n in all_reduces)
     assert all(n.target != torch.ops._c10d_functional.all_reduce.default for n in _collectives(record.forward))
+    planned = {b.owner for b in record.buffer_plans["backward"].buffers if b.kind.value == "reduce_output"}
+    assert set(replicated) <= planned, "the static buffer plan holds every all-reduce's buffer"
     # Deferred: each wait sits after compute that follows its all-reduce.
     order = {n: i for i, n in enumerate(record.backward.graph.nodes)}
     waits = [next(iter(n.users)) for n in all_reduces]

@@ -157,3 +157,34 @@ def _leftovers(rank: int, world_size: int) -> dict:
 
 def test_accumulated_gradients_no_sync_read_took_are_reduced():
     check_results(run_ranks(2, _leftovers))
+
+
+def _reset_between(rank: int, world_size: int, set_to_none: bool) -> dict:
+    """zero_grad after a micro-batch without sync drops what it kept, as it
+    drops .grad: the step then holds only the later micro-batch's gradient."""
+    torch.manual_seed(0)
+    model, ref = _TwoHeads(), _TwoHeads()
+    ref.load_state_dict(model.state_dict())
+    fxshard.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)]
+          for r in range(world_size)]  # fmt: skip
+    model.set_requires_gradient_sync(False)
+    model(xs[rank][0], "a").pow(2).mean().backward()
+    opt.zero_grad(set_to_none=set_to_none)
+    model.set_requires_gradient_sync(True)
+    model(xs[rank][1], "a").pow(2).mean().backward()
+    (sum(ref(xs[r][1], "a").pow(2).mean() for r in range(world_size)) / world_size).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        expected = refs[name].grad if refs[name].grad is not None else torch.zeros_like(refs[name])
+        got = p.grad.full_tensor() if p.grad is not None else torch.zeros_like(refs[name])
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=name)
+    assert not model.fxshard_plan.root.pending()
+    opt.step()
+    return {}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_drops_gradients_kept_without_sync(set_to_none):
+    check_results(run_ranks(2, _reset_between, set_to_none))

@@ -62,6 +62,7 @@ _WAITS = {
     UNIT_REDUCE: UNIT_REDUCE_WAIT,
     _funcol.all_gather_into_tensor.default: _funcol.wait_tensor.default,
     _funcol.reduce_scatter_tensor.default: _funcol.wait_tensor.default,
+    _funcol.all_reduce.default: _funcol.wait_tensor.default,  # a replicated parameter's gradient
 }
 
 

@@ -39,8 +39,12 @@ from fxshard.runtime.rank_checks import check_collective
 #   adds the stored sum to this call's gradient, releasing it, before the
 #   reduce. Stored gradients that no read of this call took (a parameter
 #   this micro-batch did not use) are reduced when the backward ends, in plan
-#   order. One graph runs the same reads on every rank, so every rank reduces
-#   the same ones.
+#   order, eagerly, on the gather communicator. One graph runs the same reads
+#   on every rank, so every rank reduces the same ones.
+# Gradients reset after a micro-batch without sync (``zero_grad``, say) drop
+# what it kept, as they would drop gradients kept in ``.grad``: the root
+# compares the ``.grad`` tensors at its next call with those the backward
+# left (``RootState.check_kept``).
 SYNC, ACCUMULATE, FLUSH = 0, 1, 2
 
 
@@ -49,14 +53,18 @@ class GradStore:
 
     _ids = itertools.count()
 
-    def __init__(self, reduce_leftover: Callable[[int, torch.Tensor], None]) -> None:
+    def __init__(self, reduce_leftover: Callable[[int, torch.Tensor], None], after_add: Callable[[], None]) -> None:
         self.id = next(self._ids)
         _STORES[self.id] = self
         self.grads: dict[int, torch.Tensor] = {}
         self._reduce_leftover = reduce_leftover  # (plan index, full gradient): reduce it into .grad
-        self._flush_queued = False
+        self._after_add = after_add  # called when a backward that added gradients ends
+        self._flush_queued = self._add_queued = False
 
     def add(self, index: int, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        if not self._add_queued:
+            compat.queue_backward_callback(self._added)
+            self._add_queued = True
         held = self.grads.get(index)
         if held is None:
             self.grads[index] = grad.to(dtype, copy=True)  # a compiled graph may reuse grad's memory
@@ -69,6 +77,10 @@ class GradStore:
             self._flush_queued = True
         held = self.grads.pop(index, None)
         return grad.to(dtype, copy=True) if held is None else held.add_(grad)
+
+    def _added(self) -> None:
+        self._add_queued = False
+        self._after_add()
 
     def _reduce_leftovers(self) -> None:
         self._flush_queued = False

@@ -95,6 +95,7 @@ class Sequencer:
         self._pending: dict[int, _Call] = {}  # grad-mode calls whose reduces wait for backward
         self._flush_queued = False
         self._held: dict[int, torch.Tensor] = {}  # gradients of calls without sync, summed per parameter
+        self.after_hold: Callable[[], None] | None = None  # called when a flush kept gradients
         self.gathers = self.reduces = 0  # collectives issued, for tests and logs
 
     @contextlib.contextmanager
@@ -172,6 +173,8 @@ class Sequencer:
                         self._held[k] += grad
                     else:
                         self._held[k] = grad
+                if self.after_hold is not None:
+                    self.after_hold()
                 continue
             for k, grad in self._held.items():
                 call.grads[k] = call.grads[k] + grad if k in call.grads else grad
@@ -189,6 +192,9 @@ class Sequencer:
                     local = e.local()
                     grad = local.new_zeros(e.full_shape, dtype=e.reduce_dtype or e.dtype or local.dtype)
                 self.reduce_one(k, grad)
+
+    def drop_held(self) -> None:
+        self._held.clear()
 
     def pending(self) -> bool:
         """Whether gradients of calls without sync wait for a call with sync."""
