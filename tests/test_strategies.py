@@ -188,3 +188,16 @@ def _reset_between(rank: int, world_size: int, set_to_none: bool) -> dict:
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_drops_gradients_kept_without_sync(set_to_none):
     check_results(run_ranks(2, _reset_between, set_to_none))
+
+
+def _marks_differ(rank: int, world_size: int) -> dict:
+    model = models.TinyLlama()
+    if rank == 0:
+        fxshard.no_shard(model.norm)
+    with pytest.raises(ValueError, match="ranks hold different models.*no_shard"):
+        fxshard.compile(model, backend="aot_eager")
+    return {}
+
+
+def test_ranks_must_mark_the_same_no_shard_parameters():
+    check_results(run_ranks(2, _marks_differ))
