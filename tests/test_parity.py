@@ -28,7 +28,11 @@ MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 # accumulate_sync_each and frozen_sharded are today's paths under another
 # schedule; accumulate_no_sync_sequenced also reads a replicated layer on the
 # sequenced path, as graph_breaks_no_shard does. The GPU gate runs them all.
-FULL_CPU_CHECKS = ("llama_tied_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard")
+# no_shard_bf16: replicated reads in outlined layers are also checked in
+# test_graph_structure; accumulate_no_sync_uneven (empty shards while
+# accumulating) runs under [Note: full_cpu] and on the GPU gate.
+FULL_CPU_CHECKS = ("llama_tied_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
+                   "no_shard_bf16", "accumulate_no_sync_uneven")  # fmt: skip
 # World size 4 is 4 processes on 2 cores: by default it runs only what needs 4
 # ranks (empty shards: rank 3 holds none of these parameters' rows); the rest
 # of its layout checks run under [Note: full_cpu] and on the GPUs at 2.

@@ -74,10 +74,6 @@ def _unfreeze_later(rank: int, world_size: int) -> dict:
     return {}
 
 
-def test_unfrozen_after_compile_is_all_reduced():
-    check_results(run_ranks(2, _unfreeze_later))
-
-
 def _micro_step(model, sync: bool) -> None:
     model.set_requires_gradient_sync(sync)
     tokens = torch.randint(0, 37, (2, 9))
@@ -155,10 +151,6 @@ def _leftovers(rank: int, world_size: int) -> dict:
     return {}
 
 
-def test_accumulated_gradients_no_sync_read_took_are_reduced():
-    check_results(run_ranks(2, _leftovers))
-
-
 def _reset_between(rank: int, world_size: int, set_to_none: bool) -> dict:
     """zero_grad after a micro-batch without sync drops what it kept, as it
     drops .grad: the step then holds only the later micro-batch's gradient."""
@@ -185,11 +177,6 @@ def _reset_between(rank: int, world_size: int, set_to_none: bool) -> dict:
     return {}
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_drops_gradients_kept_without_sync(set_to_none):
-    check_results(run_ranks(2, _reset_between, set_to_none))
-
-
 def _marks_differ(rank: int, world_size: int) -> dict:
     model = models.TinyLlama()
     if rank == 0:
@@ -199,5 +186,38 @@ def _marks_differ(rank: int, world_size: int) -> dict:
     return {}
 
 
-def test_ranks_must_mark_the_same_no_shard_parameters():
-    check_results(run_ranks(2, _marks_differ))
+# The checks that need two ranks, run in one set of ranks (process start-up
+# and imports cost seconds each).
+TWO_RANK_CHECKS = {
+    "unfrozen_after_compile_is_all_reduced": lambda r, w: _unfreeze_later(r, w),
+    "kept_gradients_no_read_took_are_reduced": lambda r, w: _leftovers(r, w),
+    "zero_grad_drops_kept_gradients": lambda r, w: _reset_between(r, w, True),
+    "zero_grad_in_place_drops_kept_gradients": lambda r, w: _reset_between(r, w, False),
+    "ranks_must_mark_the_same_no_shard_parameters": lambda r, w: _marks_differ(r, w),
+}
+
+
+def _two_rank_checks(rank: int, world_size: int) -> dict:
+    import traceback
+
+    results = {}
+    for name, check in TWO_RANK_CHECKS.items():
+        try:
+            check(rank, world_size)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    results = run_ranks(2, _two_rank_checks, timeout=600)
+    check_results(results)
+    return results
+
+
+@pytest.mark.parametrize("check", list(TWO_RANK_CHECKS))
+def test_two_ranks(two_ranks, check):
+    failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(two_ranks) if res[check] is not None]
+    assert not failures, "\n".join(failures)
