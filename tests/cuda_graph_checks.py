@@ -77,6 +77,7 @@ class Case:
     micro_batches: int = 1  # >1: forward and backward per micro-batch, one optimizer step
     no_sync: bool = False  # all micro-batches but the last under set_requires_gradient_sync(False)
     steps: int = 20
+    prepare: Callable[[nn.Module], None] | None = None  # on the built model, before compile
 
 
 def _small_llama() -> nn.Module:
@@ -100,6 +101,17 @@ MODELS = {
     "hf_llama": dict(make_model=hf_models.llama, loss=_hf_loss, vocab=hf_models.VOCAB),
     "hf_mamba2": dict(make_model=hf_models.mamba2, loss=_hf_loss, vocab=hf_models.VOCAB),
 }
+
+
+def _freeze_and_replicate(model: nn.Module) -> None:
+    """Mixed placements: a frozen (replicated) embedding and first layer,
+    a no_shard (all-reduced) norm and last layer, the rest sharded."""
+    for p in [*model.embed.parameters(), *model.layers[0].parameters()]:
+        p.requires_grad_(False)
+    fxshard.no_shard(model.norm)
+    fxshard.no_shard(model.layers[-1])
+
+
 SMALL_UNITS = dict(unit_mb=0.003, compile_blocks_once=False)  # several units, so prefetch and reduces matter
 CASES: dict[str, Case] = {
     **{
@@ -115,6 +127,11 @@ CASES: dict[str, Case] = {
     "accumulate-hybrid": Case(**HYBRID, micro_batches=3, steps=8),
     "accumulate-no_sync-llama": Case(**LLAMA, micro_batches=3, steps=8, no_sync=True),
     "accumulate-no_sync-hybrid": Case(**HYBRID, micro_batches=3, steps=8, no_sync=True),
+    "strategies-llama-bf16": Case(**LLAMA, prepare=_freeze_and_replicate, compile_kwargs=dict(mp_policy=BF16)),
+    "strategies-hybrid-fp32": Case(**HYBRID, prepare=_freeze_and_replicate),
+    "accumulate-no_sync-strategies-llama": Case(
+        **LLAMA, micro_batches=3, steps=8, no_sync=True, prepare=_freeze_and_replicate
+    ),
     "memory-hybrid": Case(make_model=_wide_hybrid, loss=_inside_loss, vocab=1001, batch=(4, 256), steps=3),
     "memory-llama": Case(make_model=_activation_llama, loss=_logits_loss, vocab=1000, batch=(4, 512), steps=3),
 }
@@ -123,6 +140,8 @@ CASES: dict[str, Case] = {
 def _build(case: Case, device: torch.device, backend: str | None) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = case.make_model().to(device)
+    if case.prepare is not None:
+        case.prepare(model)
     fxshard.compile(model, **case.compile_kwargs, **({"backend": backend} if backend else {}))
     return model, torch.optim.AdamW(model.parameters(), **OPTIMIZER_KWARGS)
 
@@ -174,7 +193,8 @@ def _state_differences(a: Trained, b: Trained) -> list[str]:
             diff = (_local(p.detach()).float() - _local(q.detach()).float()).abs().max().item()
             out.append(f"param {name}: max abs difference {diff:.3g}")
         state_a, state_b = opt_a.state[p], opt_b.state[q]
-        if sorted(state_a) != sorted(state_b) or not state_a:
+        # A trained parameter with no state: the optimizer never stepped it.
+        if sorted(state_a) != sorted(state_b) or (not state_a and p.requires_grad):
             out.append(f"optimizer state of {name}: keys {sorted(state_a)} against {sorted(state_b)}")
             continue
         for key, value in state_a.items():

@@ -20,22 +20,27 @@ all its cases (tests/cuda_graph_checks.py); each case is reported on its own:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests import cuda_graph_checks as checks
 from tests.distributed import check_results, run_ranks
 
+# FXSHARD_GATE_WORLD=1 runs the gate on one GPU: the capture paths, not the
+# communication (a one-rank NCCL collective is a copy).
+WORLD = int(os.environ.get("FXSHARD_GATE_WORLD", "2"))
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs"),
 ]
 
 BITWISE = [name for name in checks.CASES if name.startswith("bitwise-")]
 GROUPS = {
     "bitwise_core": [n for n in BITWISE if not n.startswith("bitwise-hf_")],
     "bitwise_hf": [n for n in BITWISE if n.startswith("bitwise-hf_")],
-    "options": [n for n in checks.CASES if n.startswith(("llama-", "accumulate-"))],
+    "options": [n for n in checks.CASES if n.startswith(("llama-", "accumulate-", "strategies-"))],
     "memory": [n for n in checks.CASES if n.startswith("memory-")],
     "errors": list(checks.ERRORS),
 }
@@ -45,7 +50,7 @@ _results: dict[str, list] = {}
 
 def _group_results(group: str) -> list:
     if group not in _results:
-        results = run_ranks(2, checks.run_cases, GROUPS[group], timeout=900, backend="nccl")
+        results = run_ranks(WORLD, checks.run_cases, GROUPS[group], timeout=900, backend="nccl")
         check_results(results)
         _results[group] = results
     return _results[group]
@@ -60,8 +65,8 @@ def test_cuda_graph(group, name):
 
 def test_destroy_process_group_without_reset():
     """Within the timeout: a hang in NCCL's teardown or the graph's destructor fails here."""
-    check_results(run_ranks(2, checks.destroy_without_reset, timeout=120, backend="nccl"))
+    check_results(run_ranks(WORLD, checks.destroy_without_reset, timeout=120, backend="nccl"))
 
 
 def test_reset_then_capture_again():
-    check_results(run_ranks(2, checks.reset_and_capture_again, timeout=300, backend="nccl"))
+    check_results(run_ranks(WORLD, checks.reset_and_capture_again, timeout=300, backend="nccl"))

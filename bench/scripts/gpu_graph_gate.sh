@@ -3,6 +3,7 @@
 # run side by side (each a pytest of its own, each two NCCL ranks on both GPUs;
 # Inductor compiles on the CPU dominate, so they overlap well). Logs to $OUT.
 #   OUT=/tmp/gate bash bench/scripts/gpu_graph_gate.sh
+# FXSHARD_GATE_WORLD=1 runs it on one GPU (capture paths only, no communication).
 set -u
 OUT=${OUT:-/tmp/fxshard-gate}
 mkdir -p "$OUT"
@@ -11,7 +12,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 declare -A groups=(
   [bitwise_core]="bitwise and not hf"
   [bitwise_hf]="bitwise and hf"
-  [options]="keep_full or prefetch or reduces_in_flight or accumulate"
+  [options]="keep_full or prefetch or reduces_in_flight or accumulate or strategies"
   [memory]="memory"
   [errors]="error"
   [teardown]="destroy or reset_then"
