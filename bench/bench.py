@@ -328,10 +328,11 @@ def kernel_profile(profiler, steps: int) -> dict:
 def fxshard_plan_facts(model: torch.nn.Module) -> dict:
     """Units and the predicted peak from fxshard's plan (see the README's
     debug dumps): the largest graph's liveness estimate (inputs and
-    intermediates) plus AdamW's two fp32 states per shard element."""
+    intermediates) plus AdamW's two fp32 states per element of a trained
+    shard (a frozen parameter has none)."""
     plan = model.fxshard_plan
     graph_peaks = {f"graph{g.index}.{phase}": p.total for g in plan.graphs for phase, p in g.peaks.items()}
-    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     units = plan.units.units if plan.units is not None else []
     return dict(
         units=len(units),
