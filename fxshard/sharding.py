@@ -182,10 +182,8 @@ class LocalShards:
             module.__dict__["_fxshard_locals"] = {}
 
     def parameters(self) -> list[DTensor]:
-        """Each distinct parameter, as its owner holds it now."""
-        return [module._parameters[attr] for (module, attr), *_ in self._owners]
-
-    def _params(self) -> list[DTensor]:
+        """Each distinct parameter, as its owner holds it now; a clear error
+        for one that was replaced or is still on the meta device."""
         params = []
         for (module, attr), *_ in self._owners:
             param = module._parameters.get(attr)
@@ -216,7 +214,7 @@ class LocalShards:
 
     def scope(self, phase: int) -> contextlib.AbstractContextManager[None]:
         """The local shards and the call's phase, for the duration of one call."""
-        params = self._params()
+        params = self.parameters()
         trained = [i for i, p in enumerate(params) if p.requires_grad]
         locals_: list[torch.Tensor | None] = [None] * len(params)
         if trained and torch.is_grad_enabled():
