@@ -25,6 +25,7 @@ from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, Grap
 from fxshard.plan import ParamPlan, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
+from fxshard.runtime.collectives import Replicas
 from fxshard.runtime.units import Units
 from fxshard.sharding import PLAN, FXShardModule, RootState, shard_parameters
 
@@ -41,7 +42,8 @@ class ShardPlan:
     with the rewritten forward and backward graphs and their collective reports.
     """
 
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # as the user passed it: the parameters' DTensors live on it
+    shard_mesh: DeviceMesh  # its dimension that parameters are sharded over (the mesh itself if 1-D)
     params: tuple[ParamPlan, ...]  # per distinct parameter: placement, gradient reduce, lifetime, dtypes
     reshard_after_forward: bool
     mp_policy: MixedPrecision
@@ -161,13 +163,31 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
         mesh = _default_mesh(device_type)
     elif not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"mesh must be 1-D (the data-parallel dimension), got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; "
-            "pass the data-parallel submesh, e.g. mesh['dp']"
+            f"mesh must be 1-D (shard over it) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}; pass the data-parallel submesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "a 2-D (HSDP) mesh needs named dimensions, replicate first: "
+            "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
         )
     _check_devices(model, mesh)
     return mesh
+
+
+def _shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh that parameters are sharded over: the mesh itself, or a
+    2-D (replicate, shard) mesh's inner dimension (HSDP; see [Note: HSDP])."""
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[1]]
+
+
+def _replicas(mesh: DeviceMesh) -> Replicas | None:
+    """The group across replicas of a 2-D (HSDP) mesh; None for a 1-D one or one replica."""
+    if mesh.ndim == 1 or mesh.size(0) == 1:
+        return None
+    return Replicas(mesh.size(0), mesh.get_group(0).group_name)
 
 
 # The groups fxshard adds beside a mesh's group, made once per mesh group and
@@ -176,37 +196,42 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
 _SIDE_GROUPS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def _side_group(group: Any, kind: str, backend: str | None = None) -> Any:
-    """The ``kind`` group over ``group``'s ranks: the one made for an earlier
-    compile while it lives, else a new one. Every rank calls compile, so
-    every rank makes it, in the same order."""
-    made = _SIDE_GROUPS.setdefault(group, {})
+def _side_group(mesh: DeviceMesh, kind: str, backend: str | None = None) -> Any:
+    """The ``kind`` group over the ranks of this rank's shard group of
+    ``mesh``: the one made for an earlier compile while it lives, else a new
+    one. ``new_group`` is collective over all ranks, so every rank makes the
+    side group of every replica's shard ranks, in mesh order, and keeps its own."""
+    made = _SIDE_GROUPS.setdefault(_shard_mesh(mesh).get_group(), {})
     side = made.get(kind)
     if side is None or not compat.group_is_live(side):
-        side = made[kind] = dist.new_group(dist.get_process_group_ranks(group), backend=backend)
+        rank = dist.get_rank()
+        for ranks in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist():
+            group = dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                side = made[kind] = group
     return side
 
 
 def _reduce_group(mesh: DeviceMesh) -> str:
-    """The group the reduce-scatters run on: the mesh's ranks again, on a
-    communicator (an NCCL stream) of their own, so that they overlap the
-    all-gathers of the backward."""
-    group = mesh.get_group()
-    return group.group_name if mesh.size() == 1 else _side_group(group, "reduce").group_name
+    """The group the reduce-scatters run on: the shard group's ranks again,
+    on a communicator (an NCCL stream) of their own, so that they overlap
+    the all-gathers of the backward."""
+    shards = _shard_mesh(mesh)
+    return shards.get_group().group_name if shards.size() == 1 else _side_group(mesh, "reduce").group_name
 
 
 def _count_group(mesh: DeviceMesh) -> str:
-    """A CPU group over the mesh's ranks, on which sharded embedding lookups
-    compare token counts without touching the device stream (see [Note:
-    sharded lookups]): the mesh's own group where it is gloo, a gloo group
-    beside it otherwise, and "" for the fake group, which moves no data."""
-    group = mesh.get_group()
+    """A CPU group over the shard group's ranks, on which sharded embedding
+    lookups compare token counts without touching the device stream (see
+    [Note: sharded lookups]): the shard group itself where it is gloo, a
+    gloo group beside it otherwise, and "" for the fake group, which moves no data."""
+    group = _shard_mesh(mesh).get_group()
     backend = compat.group_backend(group.group_name)
     if backend == "fake":
         return ""
     if backend == "gloo":
         return group.group_name
-    return _side_group(group, "count", backend="gloo").group_name
+    return _side_group(mesh, "count", backend="gloo").group_name
 
 
 def _allow_graph_breaks(model: nn.Module, backend: FXShardBackend, error: BaseException) -> None:
@@ -235,23 +260,23 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     """FXSHARD_CHECK_COLLECTIVES=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL: every
     collective fxshard issues from Python is compared across ranks first, on
     a gloo group (see [Note: checked collectives])."""
-    group = mesh.get_group()
+    group = _shard_mesh(mesh).get_group()
     if (
         not rank_checks.check_collectives_enabled()
-        or mesh.size() == 1
+        or group.size() == 1
         or compat.group_backend(group.group_name) == "fake"
     ):
         return
     log.warning(
         "fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging"
     )
-    check_group = _side_group(group, "check", backend="gloo")
+    check_group = _side_group(mesh, "check", backend="gloo")
     rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
 
 
-def _write_plan(debug_dir: str, mesh: DeviceMesh, params: tuple[ParamPlan, ...]) -> None:
+def _write_plan(debug_dir: str, params: tuple[ParamPlan, ...]) -> None:
     """``<debug_dir>/rank<r>/plan.txt``: one line per parameter."""
-    folder = os.path.join(debug_dir, f"rank{mesh.get_local_rank()}")
+    folder = os.path.join(debug_dir, f"rank{dist.get_rank()}")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "plan.txt"), "w") as f:
         f.write(format_plan(params) + "\n" + "\n".join(p.describe() for p in params) + "\n")
@@ -285,7 +310,11 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     all-reduced (see [Note: replicated parameters] in fxshard/plan.py).
 
     - ``mesh``: a 1-D DeviceMesh; None uses all ranks of the default group
-      (and starts a one-rank group if none exists and WORLD_SIZE is 1).
+      (and starts a one-rank group if none exists and WORLD_SIZE is 1). A
+      2-D mesh with named dimensions, replicate first, is HSDP: parameters
+      are sharded over the inner dimension (gathers and reduce-scatters stay
+      inside it) and gradients are then averaged across the outer one (see
+      [Note: HSDP] in fxshard/runtime/collectives.py).
     - ``reshard_after_forward``: True (ZeRO-3) frees gathered parameters after
       forward and gathers them again in backward; False keeps them.
     - ``mp_policy``: ``fxshard.MixedPrecision``.
@@ -358,34 +387,41 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
     device = _mesh_device(mesh)
     whole = marked(model)
-    memory = check_same_model(model, mesh, values=check_same_init, whole=whole, memory=device_memory(device))
+    memory = check_same_model(model, compat.flat_mesh(mesh), values=check_same_init, whole=whole,
+                              memory=device_memory(device))  # fmt: skip
+    # Below, everything runs on the shard dimension; HSDP adds one average
+    # across replicas (see [Note: HSDP] in fxshard/runtime/collectives.py).
+    shards, replicas = _shard_mesh(mesh), _replicas(mesh)
 
     reduce_group_name = _reduce_group(mesh)
     _check_collectives(mesh, reduce_group_name)
-    plans = build_plan(model, mesh, device, mp_policy, reduce_group_name, reshard_after_forward, shard_frozen, memory)
+    plans = build_plan(model, shards, device, mp_policy, reduce_group_name, reshard_after_forward, shard_frozen,
+                       memory, whole, 1 if replicas is None else replicas.size)  # fmt: skip
     params = tuple(plans.values())
-    state = shard_parameters(model, plans, mesh, device, sequenced=backend == "eager")
+    state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager")
     if debug_dir:
-        _write_plan(debug_dir, mesh, params)
+        _write_plan(debug_dir, params)
     graphs: list[GraphRecord] = []
     unit_plan = None
     if backend != "eager":
-        count_group = _count_group(mesh) if sharded_embeddings and mesh.size() > 1 else None
-        spec = BackendSpec(backend, reshard_after_forward, mesh.get_local_rank(), mesh.size(),
-                           mesh.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
+        count_group = _count_group(mesh) if sharded_embeddings and shards.size() > 1 else None
+        spec = BackendSpec(backend, reshard_after_forward, dist.get_rank(), shards.size(),
+                           shards.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
                            count_group, compile_blocks_once, reduces_in_flight, format_plan(params))  # fmt: skip
-        if mesh.size() > 1:
-            unit_plan = Units(state.infos, mesh.size(), mesh.get_group().group_name,
+        if shards.size() > 1:
+            unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name,
                               reduce_group_name, explicit)  # fmt: skip
             state.after_first_call = unit_plan.rehome
-        compiled = FXShardBackend(spec, unit_plan, _graph_agreement(mesh))
+        compiled = FXShardBackend(spec, unit_plan, _graph_agreement(shards))
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
         state.on_graph_break = functools.partial(_allow_graph_breaks, model, compiled)
-    plan = ShardPlan(mesh, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state, unit_plan)
+    plan = ShardPlan(mesh, shards, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state,
+                     unit_plan)  # fmt: skip
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
     checkpoint.install(model)  # full state dicts load into the shards
-    log.info("fxshard: sharded %d parameters over %d ranks (%s)", len(params), mesh.size(), backend)
+    log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shards.size(),
+             1 if replicas is None else replicas.size, backend)  # fmt: skip
     return model

@@ -269,7 +269,7 @@ class CapturedStep:
             if plan.mesh.device_type != "cuda":
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__} is sharded over a "
                                  f"{plan.mesh.device_type} mesh; CUDA graphs need a CUDA mesh with NCCL")  # fmt: skip
-            backend = compat.group_backend(plan.mesh.get_group().group_name)
+            backend = compat.group_backend(plan.shard_mesh.get_group().group_name)
             if plan.mesh.size() > 1 and backend != "nccl":
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__}'s process group is {backend}; a "
                                  "captured step's collectives need NCCL: init_process_group('nccl')")  # fmt: skip

@@ -139,10 +139,11 @@ class ShardParameter(DTensor):
 def local_rows(param: DTensor) -> tuple[int, int]:
     """The ``[start, end)`` rows of the full parameter that this rank holds:
     its shard's, or all of them for a replicated parameter."""
-    if all(p.is_replicate() for p in param.placements):
+    sharded = [dim for dim, p in enumerate(param.placements) if p.is_shard()]
+    if not sharded:
         return 0, param.shape[0]
-    mesh = param.device_mesh
-    return shard_range(param.shape[0], mesh.size(), mesh.get_local_rank())
+    mesh, (dim,) = param.device_mesh, sharded  # one sharded dimension: the last (HSDP's shard dim)
+    return shard_range(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
 
 
 def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:

@@ -68,7 +68,7 @@ class ParamPlan:
     reduce: Reduce
     lifetime: Lifetime
     dim0: int
-    world_size: int
+    world_size: int  # of the dimension it is sharded over
     group_name: str
     reduce_group_name: str  # same ranks, another communicator (see fxshard::unshard)
     dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
@@ -77,6 +77,7 @@ class ParamPlan:
     shape: tuple[int, ...]  # the full parameter's
     shard_dtype: torch.dtype
     device: torch.device
+    replicas: int = 1  # HSDP: copies across the mesh's replicate dimension (see [Note: HSDP])
 
     @property
     def replicated(self) -> bool:
@@ -86,8 +87,18 @@ class ParamPlan:
         dtypes = (
             f"{_dtype(self.dtype or self.shard_dtype)}/{_dtype(self.reduce_dtype or self.dtype or self.shard_dtype)}"
         )
-        return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {self.placement.value}, "
-                f"compute/reduce {dtypes}, gradient {self.reduce.value}, gathered value {self.lifetime.value}")  # fmt: skip
+        return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {_placement(self)}, "
+                f"compute/reduce {dtypes}, gradient {_reduce(self)}, gathered value {self.lifetime.value}")  # fmt: skip
+
+
+def _placement(p: ParamPlan) -> str:
+    return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
+
+
+def _reduce(p: ParamPlan) -> str:
+    if p.replicas == 1 or p.reduce is Reduce.NONE:
+        return p.reduce.value
+    return f"{p.reduce.value}, then all-reduce over {p.replicas} replicas"
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -164,11 +175,14 @@ def build_plan(
     reshard_after_forward: bool,
     shard_frozen: bool,
     memory: int | None,
+    whole: set[int],
+    replicas: int = 1,
 ) -> dict[int, ParamPlan]:
     """Each distinct parameter's plan, by the parameter's id, in registration
-    order. ``memory``: the smallest device memory of all ranks (bytes), so
-    that every rank decides alike whether frozen parameters fit."""
-    whole = marked(model)
+    order. ``mesh``: the one it is sharded over. ``memory``: the smallest
+    device memory of all ranks (bytes), so that every rank decides alike
+    whether frozen parameters fit. ``whole``: what ``marked`` returns.
+    ``replicas``: the size of an HSDP mesh's replicate dimension."""
     params = list(distinct_parameters(model))
     frozen = [p for _, p in params if not p.requires_grad and id(p) not in whole]
     replicate_frozen = not shard_frozen
@@ -198,7 +212,7 @@ def build_plan(
         plans[id(param)] = ParamPlan(
             fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,
             param.shape[0] if param.dim() else 1, mesh.size(), mesh.get_group().group_name, reduce_group_name,
-            dtype, mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device,
+            dtype, mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device, replicas,
         )  # fmt: skip
     return plans
 
@@ -208,11 +222,11 @@ def format_plan(plans: tuple[ParamPlan, ...]) -> str:
     parameters of every kind but the most common one."""
     kinds: dict[tuple, list[ParamPlan]] = {}
     for p in plans:
-        kinds.setdefault((p.placement, p.reduce, p.lifetime), []).append(p)
+        kinds.setdefault((_placement(p), _reduce(p), p.lifetime), []).append(p)
     common = max(kinds, key=lambda k: len(kinds[k])) if kinds else None
     lines = [f"parameters: {len(plans)}"]
     for (placement, reduce, lifetime), members in kinds.items():
-        head = f"  {len(members)} {placement.value}, gradient {reduce.value}, gathered value {lifetime.value}"
+        head = f"  {len(members)} {placement}, gradient {reduce}, gathered value {lifetime.value}"
         if (placement, reduce, lifetime) == common:
             lines.append(head)
             continue

@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fxshard import params as param_writes
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import shard_range
+from fxshard.runtime.collectives import Replicas, shard_range
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
 from fxshard.runtime.units import ParamInfo
@@ -149,8 +149,9 @@ class _ToLocal(torch.autograd.Function):
     backward wraps each local gradient back into a DTensor (as ``to_local``)."""
 
     @staticmethod
-    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, replicas: Replicas | None, *params: DTensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
+        ctx.replicas = replicas  # HSDP: average the reduced gradients over replicas (see [Note: HSDP])
         ctx.metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
         # A fresh view of each local tensor (an output must not be an input's
         # own tensor). Reading it directly, not through ``to_local`` (an
@@ -161,10 +162,16 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        return tuple(
+        if ctx.replicas is not None:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            averaged = ctx.replicas.average([grads[i] for i in present])
+            grads = list(grads)
+            for i, g in zip(present, averaged):
+                grads[i] = g
+        return (None, *(
             None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
             for g, (mesh, placements, shape, stride) in zip(grads, ctx.metas)
-        )
+        ))  # fmt: skip
 
 
 class LocalShards:
@@ -175,7 +182,8 @@ class LocalShards:
     refreshes at the start of every call of the root module and empties after.
     """
 
-    def __init__(self, owners: list[list[tuple[nn.Module, str]]]) -> None:
+    def __init__(self, owners: list[list[tuple[nn.Module, str]]], replicas: Replicas | None) -> None:
+        self._replicas = replicas
         self._owners = owners  # per distinct parameter, every (module, attribute) holding it
         self._modules = list({id(m): m for pairs in owners for m, _ in pairs}.values())
         for module in self._modules:
@@ -218,7 +226,9 @@ class LocalShards:
         trained = [i for i, p in enumerate(params) if p.requires_grad]
         locals_: list[torch.Tensor | None] = [None] * len(params)
         if trained and torch.is_grad_enabled():
-            for i, local in zip(trained, _ToLocal.apply(*(params[i] for i in trained))):
+            # Without sync the graphs give the shards zero gradients: nothing to average.
+            replicas = self._replicas if phase != ACCUMULATE else None
+            for i, local in zip(trained, _ToLocal.apply(replicas, *(params[i] for i in trained))):
                 locals_[i] = local
         for i, p in enumerate(params):
             if locals_[i] is None:
@@ -456,15 +466,18 @@ def _swap_class(module: nn.Module, properties: dict[str, property], state: RootS
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
-def _shard_of(full: torch.Tensor, mesh: DeviceMesh, spec: ParamPlan) -> DTensor:
+def _shard_of(full: torch.Tensor, mesh: DeviceMesh, shard_mesh: DeviceMesh, spec: ParamPlan) -> DTensor:
+    """``full`` as this rank's DTensor on ``mesh``: replicated on every
+    dimension but the last (``shard_mesh``), where ``spec`` says."""
+    outer = [Replicate()] * (mesh.ndim - 1)
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
-        dt = DTensor.from_local(full.detach(), mesh, [Replicate()], run_check=False, shape=full.shape,
+        dt = DTensor.from_local(full.detach(), mesh, [*outer, Replicate()], run_check=False, shape=full.shape,
                                 stride=full.stride())  # fmt: skip
         return param_writes.shard_parameter(dt, spec.requires_grad)
-    world_size, rank = mesh.size(), mesh.get_local_rank()
-    start, end = shard_range(full.shape[0], world_size, rank)
+    start, end = shard_range(full.shape[0], shard_mesh.size(), shard_mesh.get_local_rank())
     local = full.detach()[start:end].clone()
-    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    dt = DTensor.from_local(local, mesh, [*outer, Shard(0)], run_check=False, shape=full.shape,
+                            stride=full.stride())  # fmt: skip
     return param_writes.shard_parameter(dt, spec.requires_grad)
 
 
@@ -472,11 +485,16 @@ def shard_parameters(
     model: nn.Module,
     plans: dict[int, ParamPlan],
     mesh: DeviceMesh,
+    shard_mesh: DeviceMesh,
+    replicas: Replicas | None,
     device: torch.device,
     sequenced: bool,
 ) -> RootState:
     """Shard every parameter of ``model`` in place as ``plans`` (by the
-    parameter's id) says; return the root's state. ``sequenced`` starts with
+    parameter's id) says; return the root's state. ``mesh``: the user's, on
+    which the DTensors live; ``shard_mesh``: its dimension parameters are
+    sharded over; ``replicas``: across which gradients are averaged after
+    (HSDP; see [Note: HSDP]). ``sequenced`` starts with
     sequenced reads (eager runs). ``device`` is where shards live: the
     parameters' device, or the mesh's for parameters on the meta device
     (materialized later by ``to_empty``).
@@ -500,19 +518,19 @@ def shard_parameters(
         spec = plans[key]
         first_mod, first_attr = mod_attrs[0]
         old = first_mod._parameters[first_attr]
-        shard = _shard_of(old, mesh, spec)
+        shard = _shard_of(old, mesh, shard_mesh, spec)
         param_writes.retire(old, spec.fqn)
         fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
-        entries.append(_seq_entry(first_mod, first_attr, spec, mesh))
+        entries.append(_seq_entry(first_mod, first_attr, spec, shard_mesh))
         if not spec.replicated:  # units gather and reduce shards only
-            infos.append(_param_info(first_mod, first_attr, spec, mesh))
+            infos.append(_param_info(first_mod, first_attr, spec, shard_mesh))
     per_module.setdefault(model, {})
     index = {spec.fqn: i for i, spec in enumerate(plans[key] for key in owners)}
-    sequencer = Sequencer(entries, mesh.size(), mesh.get_group().group_name)
-    shards = LocalShards(list(owners.values()))
+    sequencer = Sequencer(entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
+    shards = LocalShards(list(owners.values()), replicas)
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fxshard
 from examples.llama import lm_loss
@@ -57,6 +58,8 @@ class Scenario:
     # rounding noise on a zero gradient (a dead ReLU, a bias before a norm)
     # into a step of about lr, so those elements say nothing about sharding.
     param_grad_floor: float | None = None
+    # HSDP: a (replicas, world_size // replicas) mesh named ("replicate", "shard").
+    replicas: int | None = None
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -274,6 +277,42 @@ SCENARIOS: dict[str, Scenario] = {
         compile_kwargs=dict(backend="aot_eager"),
         sequenced=False,
     ),
+    # HSDP (see [Note: HSDP]): sharded within the "shard" dimension, averaged
+    # across the "replicate" one. Replicated and frozen parameters, units and
+    # clipping; then bf16 accumulation without sync with sharded lookups; then
+    # sequenced reads.
+    "hsdp": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.003),
+        prepare=lambda m: fxshard.no_shard(m.layers[0].mlp),
+        freeze=("layers.1.attn.",),
+        clip_norm=0.5,
+        replicas=2,
+        sequenced=False,
+    ),
+    "hsdp_no_sync_bf16": Scenario(
+        **UNTIED,
+        make_batch=_ragged_tokens,
+        atol=3e-2,
+        rtol=3e-2,
+        outlier_fraction=0.01,
+        compile_kwargs=dict(backend="aot_eager", mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)),
+        micro_batches=2,
+        no_sync=True,
+        replicas=2,
+    ),
+    "hsdp_sequenced": Scenario(
+        make_model=models.GraphBreaks,
+        make_batch=lambda g: torch.randn(4, 6, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        prepare=lambda m: fxshard.no_shard(m.second),
+        micro_batches=2,
+        no_sync=True,
+        replicas=2,
+        sequenced=True,
+    ),
+    "hsdp_one_replica": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003), replicas=1),
     "uneven_units_prefetch1": Scenario(
         make_model=models.Uneven,
         make_batch=lambda g: torch.randn(3, 5, generator=g),
@@ -327,6 +366,11 @@ def _reference(sc: Scenario) -> nn.Module:
     return model
 
 
+def hsdp_mesh(device: torch.device, world_size: int, replicas: int) -> DeviceMesh:
+    assert world_size % replicas == 0, f"{replicas} replicas do not divide {world_size} ranks"
+    return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+
+
 def _device(rank: int) -> torch.device:
     return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -351,7 +395,8 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, mismatches: list
     if sc.prepare is not None:
         sc.prepare(model)
         sc.prepare(ref)
-    fxshard.compile(model, **sc.compile_kwargs, **({"units": sc.units(model)} if sc.units else {}))
+    fxshard.compile(model, **sc.compile_kwargs, **({"units": sc.units(model)} if sc.units else {}),
+                    **({"mesh": hsdp_mesh(device, world_size, sc.replicas)} if sc.replicas else {}))  # fmt: skip
     # eps=1e-6, not 1e-8: Adam's g / (|g| + eps) would turn fp32 reduction-order
     # noise on gradients near 1e-8 into update differences of ~1e-5 that grow
     # step by step; with 1e-6 they stay ~1e-7 and the fp32 tolerance holds.

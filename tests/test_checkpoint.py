@@ -5,7 +5,8 @@ after steps (and resuming from it), loading a full unsharded state dict, a
 full export with ``get_model_state_dict``, and a DCP checkpoint of the model
 and its AdamW state. Runs at 3 ranks and at 1 then load that checkpoint,
 check the weights and optimizer state, and continue training: it must match
-the 2-rank run's own continuation.
+the 2-rank run's own continuation. An HSDP checkpoint (4 ranks as 2 x 2)
+loads at 1 x 4 and 4 x 1.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fxshard
@@ -100,13 +102,14 @@ def _close(actual, expected, what: str, exact: bool = False) -> None:
     torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
 
 
-def _compiled(make: type | object, seed: int, backend: str = "aot_eager", whole: tuple[str, ...] = ()) -> nn.Module:
+def _compiled(make: type | object, seed: int, backend: str = "aot_eager", whole: tuple[str, ...] = (),
+              mesh: DeviceMesh | None = None) -> nn.Module:  # fmt: skip
     """``make()`` compiled, with the submodules named in ``whole`` kept replicated (``fxshard.no_shard``)."""
     torch.manual_seed(seed)
     model = make().to(_device())
     for name in whole:
         fxshard.no_shard(model.get_submodule(name))
-    return fxshard.compile(model, backend=backend)
+    return fxshard.compile(model, mesh, backend=backend)
 
 
 # Checkpoints hold replicated parameters beside sharded ones: the Llama's
@@ -211,9 +214,11 @@ def dcp_save(rank: int, world_size: int, path: str) -> dict:
     return {**saved, "losses": torch.stack(losses), "final": _full(model)}
 
 
-def dcp_resume(rank: int, world_size: int, path: str, saved: dict, backend: str) -> None:
-    """Load the 2-rank checkpoint at this world size and continue training."""
-    model = _compiled(models.Uneven, 1, backend)
+def dcp_resume(
+    rank: int, world_size: int, path: str, saved: dict, backend: str, mesh: DeviceMesh | None = None
+) -> None:
+    """Load the checkpoint at this world size (or on ``mesh``) and continue training."""
+    model = _compiled(models.Uneven, 1, backend, mesh=mesh)
     opt = _adamw(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
@@ -254,6 +259,29 @@ def two_rank_checks(rank: int, world_size: int, path: str) -> dict:
     torch._dynamo.reset()
     results["dcp_saved"] = dcp_save(rank, world_size, path)
     return results
+
+
+def _hsdp_mesh(shape: tuple[int, int]) -> DeviceMesh:
+    return init_device_mesh(_device().type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def hsdp_reshapes(rank: int, world_size: int, path: str) -> None:
+    """A DCP checkpoint of an HSDP model (2 x 2 mesh) loads at 1 x 4 and 4 x 1,
+    optimizer state included, and training goes on as it would have."""
+    model = _compiled(models.Uneven, 0, whole=("b",), mesh=_hsdp_mesh((2, 2)))
+    opt = _adamw(model)
+    _uneven_steps(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = {"params": _full(model), "optim": _full_optim(model, opt)}
+    saved.update(losses=torch.stack(_uneven_steps(model, opt, range(3, 5))), final=_full(model))
+    for shape in ((1, 4), (4, 1)):
+        torch._dynamo.reset()
+        dcp_resume(rank, world_size, path, saved, "aot_eager", mesh=_hsdp_mesh(shape))
+
+
+def test_hsdp_checkpoint_loads_at_other_mesh_shapes(tmp_path):
+    check_results(run_ranks(4, hsdp_reshapes, str(tmp_path), timeout=300))
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ def test_single_rank_without_process_group_just_works(no_dist, monkeypatch):
     assert model.weight.shape == (3, 4) and model._parameters["weight"].grad.shape == (3, 4)
 
 
-def test_mesh_must_be_one_dimensional(fake_pg):
-    mesh = init_device_mesh("cpu", (2, 2))
-    with pytest.raises(ValueError, match="1-D"):
+def test_mesh_must_be_one_or_two_dimensional(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2, 1))
+    with pytest.raises(ValueError, match=r"1-D \(shard over it\) or 2-D \(replicate, shard\)"):
         fxshard.compile(nn.Linear(4, 4), mesh)
 
 

@@ -19,6 +19,9 @@ INDUCTOR_WORLD_SIZES = (2,)
 LAYOUT_CHECKS = ("llama_tied", "mamba_direct_reads", "uneven_and_empty", "units_small_prefetch2",
                  "uneven_units_prefetch1", "sharded_lookups", "embedding_empty_shard")  # fmt: skip
 MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
+# HSDP: 4 ranks as 2 x 2; at 2 ranks as 2 x 1 (every parameter whole in each
+# replica, so gradients are averaged across replicas only).
+HSDP_CHECKS = ("hsdp", "hsdp_no_sync_bf16", "hsdp_sequenced")
 
 
 # llama_tied_inductor (flat graphs under Inductor, 33 s on 2 cores) runs on the
@@ -33,14 +36,21 @@ MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 # accumulating) runs under [Note: full_cpu] and on the GPU gate.
 FULL_CPU_CHECKS = ("llama_tied_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
                    "no_shard_bf16", "accumulate_no_sync_uneven")  # fmt: skip
+# At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica) the others add little to
+# 2 x 2 and the 1-D checks; the GPU gate runs them all.
+WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica")
 # World size 4 is 4 processes on 2 cores: by default it runs only what needs 4
 # ranks (empty shards: rank 3 holds none of these parameters' rows); the rest
 # of its layout checks run under [Note: full_cpu] and on the GPUs at 2.
-WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads")
+WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", *HSDP_CHECKS)
 
 
 def _slower(world_size: int, check: str) -> bool:
-    return check in FULL_CPU_CHECKS or (world_size == 4 and check not in WS4_DEFAULT)
+    return (
+        check in FULL_CPU_CHECKS
+        or (world_size == 4 and check not in WS4_DEFAULT)
+        or (world_size == 2 and check in WS2_FULL_CPU)
+    )
 
 
 def _checks_for(world_size: int) -> list[str]:
@@ -50,7 +60,7 @@ def _checks_for(world_size: int) -> list[str]:
     # world size 1 has nothing to compare. The lookup checks run at 2 and 4
     # (uneven rows at both, an empty shard at 4).
     checks = [c for c in LAYOUT_CHECKS if world_size == 4 or c not in MULTI_RANK_CHECKS]
-    return checks + (["routed_experts_differ"] if world_size > 1 else [])
+    return checks + (["routed_experts_differ"] if world_size > 1 else []) + list(HSDP_CHECKS if world_size == 4 else ())
 
 
 def _cases() -> list:

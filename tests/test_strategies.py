@@ -1,5 +1,5 @@
-"""Replicated parameters (fxshard.no_shard, frozen ones): the plan, its
-dump, the memory fallback, and unfreezing after compile (gloo, CPU)."""
+"""Replicated parameters (fxshard.no_shard, frozen ones) and HSDP meshes:
+the plan, its dump, the memory fallback, and unfreezing after compile (gloo, CPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 from examples.llama import lm_loss
@@ -37,6 +39,29 @@ def test_plan_is_dumped(fake_pg, tmp_path):
         in (lines["layers.1.mlp.w1.weight"])
     )
     assert len(lines) == len(model.fxshard_plan.params)
+
+
+def test_hsdp_shards_within_the_inner_dimension(fake_pg, tmp_path):
+    """A 2-D mesh is (replicate, shard): parameters are sharded over the inner
+    dimension and replicated over the outer one; the dump says so. The
+    numbers are checked against the reference in test_parity (hsdp*)."""
+    with pytest.raises(ValueError, match="mesh_dim_names=\\('replicate', 'shard'\\)"):
+        fxshard.compile(nn.Linear(4, 4), init_device_mesh("cpu", (2, 2)))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))  # any names: replicate first
+    model = models.TinyLlama(tie=False)
+    fxshard.no_shard(model.norm)
+    fxshard.compile(model, mesh, backend="aot_eager", debug_dir=tmp_path)
+    w1 = model.layers[0].mlp.w1._parameters["weight"]
+    assert w1.placements == (Replicate(), Shard(0)) and w1.device_mesh is mesh
+    assert w1.to_local().shape[0] == -(-w1.shape[0] // 2)  # rank 0's rows of 2 shards, not 4
+    assert model.norm._parameters["weight"].placements == (Replicate(), Replicate())
+    plan = model.fxshard_plan
+    assert plan.shard_mesh.size() == 2 and all(p.world_size == 2 and p.replicas == 2 for p in plan.params)
+    text = (tmp_path / "rank0" / "plan.txt").read_text()
+    assert "(Replicate(), Shard(0)), gradient reduce-scatter, then all-reduce over 2 replicas" in text
+    assert "(Replicate(), Replicate()), gradient all-reduce, then all-reduce over 2 replicas" in text
+    lm_loss(model(torch.randint(0, 37, (2, 9))), torch.randint(0, 37, (2, 9))).backward()
+    assert w1.grad.placements == (Replicate(), Shard(0))
 
 
 def test_frozen_that_do_not_fit_are_sharded(fake_pg, monkeypatch, caplog):

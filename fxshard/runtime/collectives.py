@@ -108,3 +108,34 @@ def any_rank(flags: torch.Tensor, world_size: int, group_name: str) -> list[bool
     if world_size > 1:
         flags = _funcol.wait_tensor(_funcol.all_reduce(flags, "max", group_name))
     return [bool(f) for f in flags.tolist()]
+
+
+# [Note: HSDP]
+# On a 2-D (replicate, shard) mesh each replica group runs 1-D sharded
+# training unchanged: gathers and reduce-scatters stay inside the shard
+# dimension (inside a node, where the mesh is laid out so). A gradient
+# reduced there is the average over its replica group; one all-reduce of
+# every reduced gradient across the replicate dimension, averaged, makes it
+# the average over the whole mesh. It runs where every reduced gradient
+# passes once: the backward of the node that hands the local shards to the
+# graphs (``sharding._ToLocal``), and the sequencer's reduce. The all-reduce
+# runs in the shard's dtype, once per backward, after the graph's backward
+# (no overlap with it).
+class Replicas:
+    """The replicate dimension of an HSDP mesh: its size and group."""
+
+    def __init__(self, size: int, group_name: str) -> None:
+        self.size, self.group_name = size, group_name
+
+    def average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor averaged over the replicas: one all-reduce per dtype."""
+        out: list[torch.Tensor] = list(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for indices in by_dtype.values():
+            flat = torch.cat([grads[i].reshape(-1) for i in indices])
+            flat = _funcol.wait_tensor(_funcol.all_reduce(flat, "sum", self.group_name)) / self.size
+            for i, part in zip(indices, flat.split([grads[i].numel() for i in indices])):
+                out[i] = part.view(grads[i].shape)
+        return out

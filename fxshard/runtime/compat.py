@@ -420,6 +420,17 @@ def group_is_live(group: Any) -> bool:
         return False
 
 
+def flat_mesh(mesh: Any) -> Any:
+    """A 1-D mesh over every rank of ``mesh`` (private ``DeviceMesh._flatten``;
+    torch caches it on the root mesh, so every compile shares its group)."""
+    if mesh.ndim == 1:
+        return mesh
+    flatten = getattr(mesh, "_flatten", None)
+    if flatten is None:
+        raise NotImplementedError(f"this torch ({torch.__version__}) cannot flatten a DeviceMesh; HSDP needs it")
+    return flatten()
+
+
 def group_backend(group_name: str) -> str:
     """The backend of a group by name: "nccl", "gloo", "fake", ..."""
     import torch.distributed as dist

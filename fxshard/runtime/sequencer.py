@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import any_rank, gather_full, reduce_replicated, reduce_to_shard
+from fxshard.runtime.collectives import Replicas, any_rank, gather_full, reduce_replicated, reduce_to_shard
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,12 @@ _ids = itertools.count()
 class Sequencer:
     """Issues one model's gathers and reduces in plan order (see the Note)."""
 
-    def __init__(self, entries: Sequence[SeqEntry], world_size: int, group_name: str) -> None:
+    def __init__(
+        self, entries: Sequence[SeqEntry], world_size: int, group_name: str, replicas: Replicas | None = None
+    ) -> None:
         self.entries = tuple(entries)
         self.world_size, self.group_name = world_size, group_name
+        self.replicas = replicas  # HSDP: gradients are averaged across them too (see [Note: HSDP])
         self.id = next(_ids)
         _SEQUENCERS[self.id] = self
         self._calls = itertools.count()
@@ -181,8 +184,12 @@ class Sequencer:
             self._held.clear()
             # Which parameters got a gradient on some rank: the others keep
             # grad None, as in unsharded training (AdamW skips them).
+            # Over the whole mesh (HSDP: both dimensions), so that every rank reduces the same ones.
             got = any_rank(torch.tensor([k in call.grads for k in trainable], device=self.entries[0].local().device),
                            self.world_size, self.group_name)  # fmt: skip
+            if self.replicas is not None:
+                got = any_rank(torch.tensor(got, device=self.entries[0].local().device), self.replicas.size,
+                               self.replicas.group_name)  # fmt: skip
             for k, anywhere in zip(trainable, got):
                 if not anywhere:
                     continue
@@ -208,6 +215,8 @@ class Sequencer:
             shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
         else:
             shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
+        if self.replicas is not None:
+            (shard,) = self.replicas.average([shard])
         self.reduces += 1
         e.add_grad(shard)
 
