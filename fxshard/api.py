@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fxshard import checkpoint
 from fxshard.checks import check_same_model
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
-from fxshard.plan import ParamPlan, build_plan, device_memory, format_plan, marked
+from fxshard.plan import Lifetime, ParamPlan, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.collectives import Replicas
@@ -46,6 +46,7 @@ class ShardPlan:
     shard_mesh: DeviceMesh  # its dimension that parameters are sharded over (the mesh itself if 1-D)
     params: tuple[ParamPlan, ...]  # per distinct parameter: placement, gradient reduce, lifetime, dtypes
     reshard_after_forward: bool
+    zero_stage: int
     mp_policy: MixedPrecision
     backend: str
     debug_dir: str | None
@@ -64,6 +65,22 @@ class ShardPlan:
         """Why reads are sequenced: what dynamo said of the first graph break.
         None while the model runs as one graph."""
         return self.root.graph_break_reason
+
+
+def _zero_stage(zero_stage: object, reshard_after_forward: object) -> tuple[int, bool]:
+    """The ZeRO stage, from either name for it; and whether gathered parameters are freed after forward."""
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    if zero_stage is None:
+        zero_stage = 2 if reshard_after_forward is False else 3
+    elif isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+    elif reshard_after_forward is not None and reshard_after_forward != (zero_stage == 3):
+        raise ValueError(
+            f"zero_stage={zero_stage} and reshard_after_forward={reshard_after_forward} disagree: "
+            "reshard_after_forward=True is zero_stage=3 and False is zero_stage=2; pass one of them"
+        )
+    return zero_stage, zero_stage == 3
 
 
 def _check_model(model: nn.Module) -> None:
@@ -286,7 +303,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     model: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
+    zero_stage: int | None = None,
     mp_policy: MixedPrecision | None = None,
     backend: str = "inductor",
     prefetch: int = 1,
@@ -315,8 +333,17 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       are sharded over the inner dimension (gathers and reduce-scatters stay
       inside it) and gradients are then averaged across the outer one (see
       [Note: HSDP] in fxshard/runtime/collectives.py).
-    - ``reshard_after_forward``: True (ZeRO-3) frees gathered parameters after
-      forward and gathers them again in backward; False keeps them.
+    - ``zero_stage``: what stays sharded between uses (3 by default). The
+      optimizer state and the gradients are sharded at every stage:
+      3 (FSDP2 ``reshard_after_forward=True``, Megatron-FSDP
+      ``optim_grads_params``): gathered parameters are freed after their last
+      use in forward and gathered again for backward; 2 (FSDP2
+      ``reshard_after_forward=False``, Megatron-FSDP ``optim_grads``): they
+      are kept from forward to backward; 1 (Megatron-FSDP ``optim``): every
+      rank keeps a full copy of the parameters between steps, gathered once
+      after each optimizer step (see [Note: ZeRO-1] in fxshard/kept.py).
+    - ``reshard_after_forward``: FSDP2's name: True is ``zero_stage=3``,
+      False ``zero_stage=2``.
     - ``mp_policy``: ``fxshard.MixedPrecision``.
     - ``backend``: "inductor" or "aot_eager", the compiler run after fxshard's
       passes; "eager" compiles nothing and gathers on every access (debugging).
@@ -370,8 +397,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         raise ValueError(
             f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), got {reduces_in_flight!r}"
         )
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    zero_stage, reshard_after_forward = _zero_stage(zero_stage, reshard_after_forward)
     if not isinstance(sharded_embeddings, bool):
         raise ValueError(f"sharded_embeddings must be True or False, got {sharded_embeddings!r}")
     if not isinstance(compile_blocks_once, bool):
@@ -395,7 +421,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
 
     reduce_group_name = _reduce_group(mesh)
     _check_collectives(mesh, reduce_group_name)
-    plans = build_plan(model, shards, device, mp_policy, reduce_group_name, reshard_after_forward, shard_frozen,
+    lifetime = {1: Lifetime.ALWAYS, 2: Lifetime.STEP, 3: Lifetime.LAST_USE}[zero_stage]
+    plans = build_plan(model, shards, device, mp_policy, reduce_group_name, lifetime, shard_frozen,
                        memory, whole, 1 if replicas is None else replicas.size)  # fmt: skip
     params = tuple(plans.values())
     state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager")
@@ -417,8 +444,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
         state.on_graph_break = functools.partial(_allow_graph_breaks, model, compiled)
-    plan = ShardPlan(mesh, shards, params, reshard_after_forward, mp_policy, backend, debug_dir, graphs, state,
-                     unit_plan)  # fmt: skip
+    plan = ShardPlan(mesh, shards, params, reshard_after_forward, zero_stage, mp_policy, backend, debug_dir, graphs,
+                     state, unit_plan)  # fmt: skip
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
     checkpoint.install(model)  # full state dicts load into the shards

@@ -55,8 +55,8 @@ class Lifetime(enum.Enum):
     """How long a gathered value lives."""
 
     LAST_USE = "until last use"  # ZeRO-3: freed after forward, gathered again for backward
-    STEP = "until backward"  # reshard_after_forward=False: kept from forward to backward
-    ALWAYS = "always"  # replicated: the local tensor is the full one
+    STEP = "until backward"  # ZeRO-2 (reshard_after_forward=False): kept from forward to backward
+    ALWAYS = "always"  # replicated (the local tensor is the full one), or ZeRO-1 (see [Note: ZeRO-1])
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,11 @@ class ParamPlan:
     @property
     def replicated(self) -> bool:
         return self.placement is Placement.REPLICATE
+
+    @property
+    def kept(self) -> bool:
+        """Sharded, and held gathered between steps (ZeRO-1; see [Note: ZeRO-1])."""
+        return self.placement is Placement.SHARD and self.lifetime is Lifetime.ALWAYS
 
     def describe(self) -> str:
         dtypes = (
@@ -172,14 +177,15 @@ def build_plan(
     device: torch.device,
     mp: MixedPrecision,
     reduce_group_name: str,
-    reshard_after_forward: bool,
+    sharded_lifetime: Lifetime,
     shard_frozen: bool,
     memory: int | None,
     whole: set[int],
     replicas: int = 1,
 ) -> dict[int, ParamPlan]:
     """Each distinct parameter's plan, by the parameter's id, in registration
-    order. ``mesh``: the one it is sharded over. ``memory``: the smallest
+    order. ``mesh``: the one it is sharded over. ``sharded_lifetime``: how
+    long a sharded parameter's gathered value lives (the ZeRO stage). ``memory``: the smallest
     device memory of all ranks (bytes), so that every rank decides alike
     whether frozen parameters fit. ``whole``: what ``marked`` returns.
     ``replicas``: the size of an HSDP mesh's replicate dimension."""
@@ -207,7 +213,7 @@ def build_plan(
             lifetime = Lifetime.ALWAYS
         else:
             reduce = Reduce.REDUCE_SCATTER if param.requires_grad else Reduce.NONE
-            lifetime = Lifetime.LAST_USE if reshard_after_forward else Lifetime.STEP
+            lifetime = sharded_lifetime
         dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
         plans[id(param)] = ParamPlan(
             fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,

@@ -62,6 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxshard import params as param_writes
+from fxshard.kept import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, shard_range
@@ -120,7 +121,14 @@ class FXShardRoot(FXShardModule):
         accepted for FSDP2's signature: the whole model is one root here."""
         if not isinstance(requires_gradient_sync, bool):
             raise ValueError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}")
-        self.__dict__[ROOT_STATE].sync = requires_gradient_sync
+        state = self.__dict__[ROOT_STATE]
+        if not requires_gradient_sync and state.shards.kept is not None:
+            raise NotImplementedError(
+                "set_requires_gradient_sync(False) with zero_stage=1 is not supported: ZeRO-1 reduces each "
+                "micro-batch's gradient. Keep gradient sync on (parameters are still gathered once per step), or "
+                "use zero_stage=2 to accumulate without sync"
+            )
+        state.sync = requires_gradient_sync
 
 
 def _gather(local: torch.Tensor, spec: ParamPlan, phase: tuple[int, ...] = ()) -> torch.Tensor:
@@ -182,8 +190,11 @@ class LocalShards:
     refreshes at the start of every call of the root module and empties after.
     """
 
-    def __init__(self, owners: list[list[tuple[nn.Module, str]]], replicas: Replicas | None) -> None:
+    def __init__(
+        self, owners: list[list[tuple[nn.Module, str]]], replicas: Replicas | None, kept: KeptParams | None
+    ) -> None:
         self._replicas = replicas
+        self.kept = kept  # ZeRO-1's full copies (see [Note: ZeRO-1] in fxshard/kept.py)
         self._owners = owners  # per distinct parameter, every (module, attribute) holding it
         self._modules = list({id(m): m for pairs in owners for m, _ in pairs}.values())
         for module in self._modules:
@@ -223,8 +234,12 @@ class LocalShards:
     def scope(self, phase: int) -> contextlib.AbstractContextManager[None]:
         """The local shards and the call's phase, for the duration of one call."""
         params = self.parameters()
-        trained = [i for i, p in enumerate(params) if p.requires_grad]
         locals_: list[torch.Tensor | None] = [None] * len(params)
+        if self.kept is not None:
+            self.kept.refresh(params)
+            for i, full in self.kept.reads(params, phase != ACCUMULATE).items():
+                locals_[i] = full
+        trained = [i for i, p in enumerate(params) if p.requires_grad and locals_[i] is None]
         if trained and torch.is_grad_enabled():
             # Without sync the graphs give the shards zero gradients: nothing to average.
             replicas = self._replicas if phase != ACCUMULATE else None
@@ -253,6 +268,8 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int, sto
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
         if attr in table:  # inside a root call: the compute dtype, read by the graph
+            if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/kept.py)
+                return table[attr]
             phase = () if table[PHASE] == SYNC else (table[PHASE], store_id, index)
             if spec.replicated:
                 return _read_replicated(table[attr], spec, phase)
@@ -406,6 +423,8 @@ class RootState:
             ) from error
         log.warning("fxshard: the forward has graph breaks; reads go through the sequencer "
                     "(no reshard, reduces at the end of backward). Dynamo said: %s", reason)  # fmt: skip
+        if self.shards.kept is not None:  # the sequencer gathers on every call
+            self.shards.kept.drop()
         self.graph_break_reason = reason
         self.on_graph_break(error)
         self.sequenced = True
@@ -525,12 +544,15 @@ def shard_parameters(
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
         entries.append(_seq_entry(first_mod, first_attr, spec, shard_mesh))
-        if not spec.replicated:  # units gather and reduce shards only
+        if not spec.replicated and not spec.kept:  # units gather and reduce shards that graphs gather
             infos.append(_param_info(first_mod, first_attr, spec, shard_mesh))
     per_module.setdefault(model, {})
     index = {spec.fqn: i for i, spec in enumerate(plans[key] for key in owners)}
     sequencer = Sequencer(entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
-    shards = LocalShards(list(owners.values()), replicas)
+    specs = [plans[key] for key in owners]
+    kept = {i: spec for i, spec in enumerate(specs) if spec.kept}
+    shards = LocalShards(list(owners.values()), replicas,
+                         KeptParams(kept, shard_mesh.get_local_rank(), replicas) if kept else None)  # fmt: skip
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():

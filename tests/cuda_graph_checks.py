@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
@@ -78,6 +79,8 @@ class Case:
     no_sync: bool = False  # all micro-batches but the last under set_requires_gradient_sync(False)
     steps: int = 20
     prepare: Callable[[nn.Module], None] | None = None  # on the built model, before compile
+    # HSDP over all ranks: "replicate" is a (world, 1) mesh, "shard" a (1, world) one.
+    hsdp: str | None = None
 
 
 def _small_llama() -> nn.Module:
@@ -132,6 +135,11 @@ CASES: dict[str, Case] = {
     "accumulate-no_sync-strategies-llama": Case(
         **LLAMA, micro_batches=3, steps=8, no_sync=True, prepare=_freeze_and_replicate
     ),
+    # ZeRO-1: the full copies gathered inside the captured step, once per step.
+    "strategies-zero1-llama": Case(**LLAMA, micro_batches=3, steps=8, compile_kwargs=dict(zero_stage=1)),
+    "strategies-zero1-hybrid-bf16": Case(**HYBRID, compile_kwargs=dict(zero_stage=1, mp_policy=BF16)),
+    "strategies-hsdp-replicate-llama": Case(**LLAMA, hsdp="replicate", prepare=_freeze_and_replicate),
+    "strategies-hsdp-shard-hybrid": Case(**HYBRID, hsdp="shard", micro_batches=3, steps=8, no_sync=True),
     "memory-hybrid": Case(make_model=_wide_hybrid, loss=_inside_loss, vocab=1001, batch=(4, 256), steps=3),
     "memory-llama": Case(make_model=_activation_llama, loss=_logits_loss, vocab=1000, batch=(4, 512), steps=3),
 }
@@ -142,7 +150,12 @@ def _build(case: Case, device: torch.device, backend: str | None) -> tuple[nn.Mo
     model = case.make_model().to(device)
     if case.prepare is not None:
         case.prepare(model)
-    fxshard.compile(model, **case.compile_kwargs, **({"backend": backend} if backend else {}))
+    mesh = None
+    if case.hsdp is not None:
+        world = dist.get_world_size()
+        shape = (world, 1) if case.hsdp == "replicate" else (1, world)
+        mesh = init_device_mesh("cuda", shape, mesh_dim_names=("replicate", "shard"))
+    fxshard.compile(model, mesh, **case.compile_kwargs, **({"backend": backend} if backend else {}))
     return model, torch.optim.AdamW(model.parameters(), **OPTIMIZER_KWARGS)
 
 

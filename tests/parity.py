@@ -278,14 +278,16 @@ SCENARIOS: dict[str, Scenario] = {
         sequenced=False,
     ),
     # HSDP (see [Note: HSDP]): sharded within the "shard" dimension, averaged
-    # across the "replicate" one. Replicated and frozen parameters, units and
-    # clipping; then bf16 accumulation without sync with sharded lookups; then
-    # sequenced reads.
+    # across the "replicate" one. Replicated and frozen parameters, units,
+    # accumulation without sync and clipping; then bf16 with sharded lookups
+    # of ragged token counts; then sequenced reads.
     "hsdp": Scenario(
         **LLAMA,
         compile_kwargs=dict(backend="aot_eager", unit_mb=0.003),
         prepare=lambda m: fxshard.no_shard(m.layers[0].mlp),
         freeze=("layers.1.attn.",),
+        micro_batches=2,
+        no_sync=True,
         clip_norm=0.5,
         replicas=2,
         sequenced=False,
@@ -311,6 +313,29 @@ SCENARIOS: dict[str, Scenario] = {
         no_sync=True,
         replicas=2,
         sequenced=True,
+    ),
+    # ZeRO-1 (see [Note: ZeRO-1]): full copies gathered once per step, two
+    # micro-batches each reduced; replicated and frozen parameters beside;
+    # clipping. Then bf16 with units formed for the frozen sharded rest.
+    "zero1": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", zero_stage=1),
+        prepare=lambda m: fxshard.no_shard(m.layers[0].mlp),
+        freeze=("layers.1.attn.",),
+        micro_batches=2,
+        clip_norm=0.5,
+        sequenced=False,
+    ),
+    "zero1_bf16_hsdp": Scenario(
+        **UNTIED,
+        make_batch=_tokens,
+        atol=3e-2,
+        rtol=3e-2,
+        outlier_fraction=0.01,
+        compile_kwargs=dict(
+            backend="aot_eager", zero_stage=1, mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)
+        ),
+        replicas=2,
     ),
     "hsdp_one_replica": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003), replicas=1),
     "uneven_units_prefetch1": Scenario(

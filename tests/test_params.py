@@ -65,11 +65,12 @@ def _shard_writes(model: nn.Module, ref: nn.Module, seed: int) -> None:
         shards["0.bias"].data = torch.zeros(2)
 
 
-def writes_check(rank: int, world_size: int) -> dict:
+def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
+    """``zero_stage=1``: the writes must reach the kept full copies too (see [Note: ZeRO-1])."""
     torch.manual_seed(0)
     model = _mlp()
     ref = copy.deepcopy(model)
-    fxshard.compile(model, backend="aot_eager")
+    fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
     _writes(model, seed=1)
     _writes(ref, seed=1)
     _shard_writes(model, ref, seed=1)
@@ -130,14 +131,14 @@ def _meta_llama() -> nn.Module:
         return models.TinyLlama()
 
 
-def meta_init_check(rank: int, world_size: int, train: bool) -> dict:
+def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3) -> dict:
     """Meta model, compile, ``to_empty``, the model's own init: the same full
     weights as the unsharded model's init with the same seed, at any world size."""
     ref = _meta_llama().to_empty(device=_device())
     ref.output.weight = ref.embed.weight  # torch's to_empty unties them; fxshard keeps the one shard
     torch.manual_seed(0)
     init_weights(ref)
-    model = fxshard.compile(_meta_llama(), backend="aot_eager")
+    model = fxshard.compile(_meta_llama(), backend="aot_eager", zero_stage=zero_stage)
     shards = list(model.parameters())
     assert all(p.to_local().is_meta for p in shards)
     with pytest.raises(ValueError, match="meta device.*to_empty"):
@@ -173,7 +174,9 @@ def meta_init_check(rank: int, world_size: int, train: bool) -> dict:
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
-              "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True)}  # fmt: skip
+              "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
+              "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1),
+              "meta_init_trains_zero1": lambda r, ws: meta_init_check(r, ws, train=True, zero_stage=1)}  # fmt: skip
     for name in names:
         checks[name](rank, world_size)
         torch._dynamo.reset()
@@ -184,7 +187,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
 # [Note: full_cpu]; 2 and 4 always (uneven rows at 2, an empty shard at 4).
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full_cpu)])
 def test_writes_optimizers_and_conversions(world_size):
-    names = ["writes", "optimizer_before_compile", "conversions"]
+    names = ["writes", "optimizer_before_compile", "conversions", "writes_zero1"]
     check_results(run_ranks(world_size, run_checks, names))
 
 
@@ -192,4 +195,5 @@ def test_writes_optimizers_and_conversions(world_size):
     "world_size", [pytest.param(1, marks=pytest.mark.full_cpu), 2, pytest.param(3, marks=pytest.mark.full_cpu), 4]
 )
 def test_meta_device_init(world_size):
-    check_results(run_ranks(world_size, run_checks, ["meta_init_trains" if world_size == 2 else "meta_init"]))
+    names = ["meta_init_trains", "meta_init_trains_zero1"] if world_size == 2 else ["meta_init"]
+    check_results(run_ranks(world_size, run_checks, names))

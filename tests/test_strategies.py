@@ -64,6 +64,47 @@ def test_hsdp_shards_within_the_inner_dimension(fake_pg, tmp_path):
     assert w1.grad.placements == (Replicate(), Shard(0))
 
 
+def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
+    """ZeRO-1's full copies are gathered at the first call after an optimizer
+    step (fused AdamW bumps no version counter: the step hook sees it) or
+    after a write to the shards, never per micro-batch; they hold the
+    parameters' values; accumulation without sync is refused."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.manual_seed(0)
+    model = fxshard.compile(models.TinyLlama(tie=False), backend="aot_eager", zero_stage=1)
+    plan = model.fxshard_plan
+    assert plan.zero_stage == 1 and all(p.kept and p.lifetime.value == "always" for p in plan.params)
+    kept = plan.root.shards.kept
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    tokens = torch.randint(0, 37, (2, 9))
+
+    def copies_match() -> None:
+        params = plan.root.shards.parameters()
+        for i in kept.specs:
+            torch.testing.assert_close(kept.full[i], params[i].full_tensor(), atol=0, rtol=0)
+
+    for _ in range(2):
+        for _ in range(3):
+            lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    assert kept.gathers == 2
+    with torch.no_grad():
+        model(tokens)
+    assert kept.gathers == 3
+    copies_match()
+    model.load_state_dict({k: torch.full(v.shape, 0.5) for k, v in model.state_dict().items()})
+    model(tokens)
+    assert kept.gathers == 4 and bool((kept.full[0] == 0.5).all())
+    with torch.no_grad():
+        model.layers[0].mlp.w1.weight.mul_(2)  # written through the gathered parameter into the shard
+    model(tokens)
+    assert kept.gathers == 5
+    copies_match()
+    with pytest.raises(NotImplementedError, match="zero_stage=2 to accumulate without sync"):
+        model.set_requires_gradient_sync(False)
+
+
 def test_frozen_that_do_not_fit_are_sharded(fake_pg, monkeypatch, caplog):
     """Replicating frozen parameters is the default only while they fit."""
     monkeypatch.setattr(plan_module, "FROZEN_REPLICATE_SHARE", 0.0)

@@ -1,0 +1,140 @@
+"""ZeRO-1: sharded parameters held gathered between optimizer steps.
+
+[Note: ZeRO-1]
+With ``zero_stage=1`` each rank holds, beside its shards, a full copy of
+every sharded parameter in the compute dtype (``KeptParams.full``).
+Optimizer state and gradients stay sharded: the optimizer steps on the
+shards, as at every stage. The copies are gathered at the start of the
+first call of the root module after the shards changed, so once per step:
+
+- an optimizer step marks them stale (a post-step hook of every
+  ``torch.optim.Optimizer``, registered once: fused optimizers write the
+  shards without bumping any version counter);
+- so does any other write to a shard (``load_state_dict``, ``copy_``,
+  ``fxshard.compile``'s write-through of gathered parameters), seen as a
+  change of the DTensor's or its local tensor's version counter.
+
+Micro-batches of one step then gather nothing. Compiled graphs read the
+copies as plain inputs (no ``fxshard::unshard`` marker, so no units), and
+``_KeptFull``'s backward reduce-scatters each gradient to its shard, after
+the graph's backward. Under ``fxshard.cuda_graph`` the gather runs inside
+the captured step, at the first call after the optimizer step, which is
+where the warm-up left it stale. Accumulation without sync is not
+supported at this stage (a clear error), and a model on the sequenced path
+(graph breaks) gathers on every call, as at the other stages.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from fxshard.plan import ParamPlan
+from fxshard.runtime import compat
+from fxshard.runtime.collectives import Replicas, gather_full, reduce_to_shard, shard_range
+
+_LIVE: weakref.WeakSet[KeptParams] = weakref.WeakSet()
+_HOOK: Any = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for kept in list(_LIVE):
+        if kept.ids & stepped:
+            kept.stale = True
+
+
+class KeptParams:
+    """The full copies of one model's ZeRO-1 parameters (see the Note), by plan index."""
+
+    def __init__(self, specs: dict[int, ParamPlan], rank: int, replicas: Replicas | None) -> None:
+        global _HOOK
+        self.specs = specs
+        self.local_rows = {i: (lambda r: r[1] - r[0])(shard_range(s.dim0, s.world_size, rank))
+                           for i, s in specs.items()}  # fmt: skip
+        self.replicas = replicas
+        self.full: dict[int, torch.Tensor] = {}
+        self.ids: set[int] = set()  # of the DTensor parameters, for the optimizer hook
+        self.stale = True
+        self._seen: tuple | None = None  # version counters at the last gather
+        self.gathers = 0  # for tests and logs
+        _LIVE.add(self)
+        if _HOOK is None:
+            _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+    def refresh(self, params: list[DTensor]) -> None:
+        """Gather the copies if a shard changed since the last gather (see the Note)."""
+        mine = [params[i] for i in self.specs]
+        self.ids = {id(p) for p in mine}
+        # Objects too: to_empty and .data assignments replace tensors, whose new counters start over.
+        seen = tuple((id(p), p._version, id(local), local._version) for p in mine
+                     for local in (compat.local_tensor(p),))  # fmt: skip
+        if not self.stale and seen == self._seen:
+            return
+        with torch.no_grad():
+            for (i, spec), param in zip(self.specs.items(), mine):
+                local = compat.local_tensor(param)
+                full = gather_full(local, spec.dim0, spec.world_size, spec.group_name, spec.dtype)
+                held = self.full.get(i)
+                if held is None:
+                    # Never the shard itself (world size 1): the graphs must not alias the optimizer's tensor.
+                    aliased = full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                    self.full[i] = full.clone() if aliased else full
+                else:
+                    held.copy_(full)
+        self.gathers += 1
+        self._seen, self.stale = seen, False
+
+    def drop(self) -> None:
+        """Free the copies (the model went to sequenced reads, which gather per call)."""
+        self.full.clear()
+        self._seen, self.stale = None, True
+
+    def reads(self, params: list[DTensor], phase_reduces: bool) -> dict[int, torch.Tensor]:
+        """Each kept parameter's full copy for one call: through ``_KeptFull``
+        (its gradient reduce-scattered into the shard's) where it trains and
+        grad is enabled, else the copy itself, detached."""
+        trained = [i for i in self.specs if params[i].requires_grad] if torch.is_grad_enabled() else []
+        out = {i: self.full[i].detach() for i in self.specs}
+        if trained:
+            views = _KeptFull.apply(self, trained, self.replicas if phase_reduces else None,
+                                    *(params[i] for i in trained))  # fmt: skip
+            out.update(zip(trained, views))
+        return out
+
+
+class _KeptFull(torch.autograd.Function):
+    """The full copies of several kept parameters in one autograd node; the
+    backward reduce-scatters each gradient to this rank's rows (averaged,
+    then across replicas for HSDP) and wraps it as the DTensor's gradient."""
+
+    @staticmethod
+    def forward(ctx, kept: KeptParams, indices: list[int], replicas: Replicas | None, *params: DTensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.kept, ctx.indices, ctx.replicas = kept, indices, replicas
+        ctx.metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+        return tuple(kept.full[i].view_as(kept.full[i]) for i in indices)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        kept = ctx.kept
+        shards: list[torch.Tensor | None] = []
+        for i, grad in zip(ctx.indices, grads):
+            if grad is None:
+                shards.append(None)
+                continue
+            s = kept.specs[i]
+            shards.append(reduce_to_shard(grad.contiguous(), kept.local_rows[i], s.world_size, s.reduce_group_name,
+                                          s.reduce_dtype, s.shard_dtype))  # fmt: skip
+        if ctx.replicas is not None:
+            present = [j for j, g in enumerate(shards) if g is not None]
+            for j, g in zip(present, ctx.replicas.average([shards[j] for j in present])):
+                shards[j] = g
+        return (None, None, None, *(
+            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+            for g, (mesh, placements, shape, stride) in zip(shards, ctx.metas)
+        ))  # fmt: skip
