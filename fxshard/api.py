@@ -425,7 +425,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     plans = build_plan(model, shards, device, mp_policy, reduce_group_name, lifetime, shard_frozen,
                        memory, whole, 1 if replicas is None else replicas.size)  # fmt: skip
     params = tuple(plans.values())
-    state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager")
+    state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager",
+                             bucket_bytes=int(unit_mb * 2**20))  # fmt: skip
     if debug_dir:
         _write_plan(debug_dir, params)
     graphs: list[GraphRecord] = []

@@ -16,8 +16,10 @@ first call of the root module after the shards changed, so once per step:
 
 Micro-batches of one step then gather nothing. Compiled graphs read the
 copies as plain inputs (no ``fxshard::unshard`` marker, so no units), and
-``_KeptFull``'s backward reduce-scatters each gradient to its shard, after
-the graph's backward. Under ``fxshard.cuda_graph`` the gather runs inside
+``_KeptFull``'s backward reduce-scatters the gradients to their shards,
+after the graph's backward (not overlapped with it). Gathers and reduces
+are coalesced: one collective per run of parameters of one dtype, up to
+``unit_mb`` of full values. Under ``fxshard.cuda_graph`` the gather runs inside
 the captured step, at the first call after the optimizer step, which is
 where the warm-up left it stale. Accumulation without sync is not
 supported at this stage (a clear error), and a model on the sequenced path
@@ -26,6 +28,7 @@ supported at this stage (a clear error), and a model on the sequenced path
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -35,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import Replicas, gather_full, reduce_to_shard, shard_range
+from fxshard.runtime.collectives import Replicas, gather_many, reduce_many, shard_range
 
 _LIVE: weakref.WeakSet[KeptParams] = weakref.WeakSet()
 _HOOK: Any = None
@@ -51,9 +54,10 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 class KeptParams:
     """The full copies of one model's ZeRO-1 parameters (see the Note), by plan index."""
 
-    def __init__(self, specs: dict[int, ParamPlan], rank: int, replicas: Replicas | None) -> None:
+    def __init__(self, specs: dict[int, ParamPlan], rank: int, replicas: Replicas | None, bucket_bytes: int) -> None:
         global _HOOK
         self.specs = specs
+        self.bucket_bytes = bucket_bytes  # of gathered values per all-gather or reduce-scatter
         self.local_rows = {i: (lambda r: r[1] - r[0])(shard_range(s.dim0, s.world_size, rank))
                            for i, s in specs.items()}  # fmt: skip
         self.replicas = replicas
@@ -75,19 +79,37 @@ class KeptParams:
                      for local in (compat.local_tensor(p),))  # fmt: skip
         if not self.stale and seen == self._seen:
             return
+        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.specs, mine)}
         with torch.no_grad():
-            for (i, spec), param in zip(self.specs.items(), mine):
-                local = compat.local_tensor(param)
-                full = gather_full(local, spec.dim0, spec.world_size, spec.group_name, spec.dtype)
-                held = self.full.get(i)
-                if held is None:
-                    # Never the shard itself (world size 1): the graphs must not alias the optimizer's tensor.
-                    aliased = full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-                    self.full[i] = full.clone() if aliased else full
-                else:
-                    held.copy_(full)
+            for bucket in self._buckets(list(self.specs), lambda s: s.dtype or s.shard_dtype):
+                first = self.specs[bucket[0]]
+                gathered = gather_many([locals_[i] for i in bucket], [self.specs[i].dim0 for i in bucket],
+                                       first.world_size, first.group_name, first.dtype or first.shard_dtype)  # fmt: skip
+                for i, full in zip(bucket, gathered):
+                    held = self.full.get(i)
+                    if held is None:
+                        # Never the shard itself (world size 1): graphs must not alias the optimizer's tensor.
+                        aliased = full.untyped_storage().data_ptr() == locals_[i].untyped_storage().data_ptr()
+                        self.full[i] = full.clone() if aliased else full.contiguous()
+                    else:
+                        held.copy_(full)
         self.gathers += 1
         self._seen, self.stale = seen, False
+
+    def _buckets(self, indices: list[int], dtype: Any) -> list[list[int]]:
+        """``indices`` in runs of one ``dtype(spec)``, each up to ``bucket_bytes``
+        of full values: one collective each, and a bounded transient buffer."""
+        buckets: list[list[int]] = []
+        size, key = 0, None
+        for i in indices:
+            spec = self.specs[i]
+            nbytes = math.prod(spec.shape) * dtype(spec).itemsize
+            if not buckets or dtype(spec) != key or size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size, key = 0, dtype(spec)
+            buckets[-1].append(i)
+            size += nbytes
+        return buckets
 
     def drop(self) -> None:
         """Free the copies (the model went to sequenced reads, which gather per call)."""
@@ -122,14 +144,16 @@ class _KeptFull(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
         kept = ctx.kept
-        shards: list[torch.Tensor | None] = []
-        for i, grad in zip(ctx.indices, grads):
-            if grad is None:
-                shards.append(None)
-                continue
-            s = kept.specs[i]
-            shards.append(reduce_to_shard(grad.contiguous(), kept.local_rows[i], s.world_size, s.reduce_group_name,
-                                          s.reduce_dtype, s.shard_dtype))  # fmt: skip
+        shards: list[torch.Tensor | None] = [None] * len(grads)
+        got = {i: g for i, g in zip(ctx.indices, grads) if g is not None}
+        where = {i: j for j, i in enumerate(ctx.indices)}
+        for bucket in kept._buckets(list(got), lambda s: s.reduce_dtype or s.dtype or s.shard_dtype):
+            s = kept.specs[bucket[0]]
+            reduced = reduce_many([got[i] for i in bucket], [kept.local_rows[i] for i in bucket], s.world_size,
+                                  s.reduce_group_name, s.reduce_dtype or s.dtype or s.shard_dtype,
+                                  [kept.specs[i].shard_dtype for i in bucket])  # fmt: skip
+            for i, shard in zip(bucket, reduced):
+                shards[where[i]] = shard
         if ctx.replicas is not None:
             present = [j for j, g in enumerate(shards) if g is not None]
             for j, g in zip(present, ctx.replicas.average([shards[j] for j in present])):

@@ -508,12 +508,14 @@ def shard_parameters(
     replicas: Replicas | None,
     device: torch.device,
     sequenced: bool,
+    bucket_bytes: int,
 ) -> RootState:
     """Shard every parameter of ``model`` in place as ``plans`` (by the
     parameter's id) says; return the root's state. ``mesh``: the user's, on
     which the DTensors live; ``shard_mesh``: its dimension parameters are
     sharded over; ``replicas``: across which gradients are averaged after
-    (HSDP; see [Note: HSDP]). ``sequenced`` starts with
+    (HSDP; see [Note: HSDP]). ``bucket_bytes``: the size of ZeRO-1's
+    coalesced gathers and reduces (see [Note: ZeRO-1]). ``sequenced`` starts with
     sequenced reads (eager runs). ``device`` is where shards live: the
     parameters' device, or the mesh's for parameters on the meta device
     (materialized later by ``to_empty``).
@@ -552,7 +554,7 @@ def shard_parameters(
     specs = [plans[key] for key in owners]
     kept = {i: spec for i, spec in enumerate(specs) if spec.kept}
     shards = LocalShards(list(owners.values()), replicas,
-                         KeptParams(kept, shard_mesh.get_local_rank(), replicas) if kept else None)  # fmt: skip
+                         KeptParams(kept, shard_mesh.get_local_rank(), replicas, bucket_bytes) if kept else None)  # fmt: skip
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():

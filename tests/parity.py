@@ -319,12 +319,19 @@ SCENARIOS: dict[str, Scenario] = {
     # clipping. Then bf16 with units formed for the frozen sharded rest.
     "zero1": Scenario(
         **LLAMA,
-        compile_kwargs=dict(backend="aot_eager", zero_stage=1),
+        compile_kwargs=dict(backend="aot_eager", zero_stage=1, unit_mb=0.003),  # several buckets
         prepare=lambda m: fxshard.no_shard(m.layers[0].mlp),
         freeze=("layers.1.attn.",),
         micro_batches=2,
         clip_norm=0.5,
         sequenced=False,
+    ),
+    "zero1_uneven": Scenario(  # empty shards (at 4 ranks) in coalesced gathers and reduces
+        make_model=models.Uneven,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager", zero_stage=1, unit_mb=1e-4),
+        micro_batches=2,
     ),
     "zero1_bf16_hsdp": Scenario(
         **UNTIED,

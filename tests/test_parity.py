@@ -17,7 +17,7 @@ CHECKS = [*(name for name in SCENARIOS if name not in INSIDE_CHECKS), "eval_no_g
 # world size (empty and ragged shards, tied and direct reads, units).
 INDUCTOR_WORLD_SIZES = (2,)
 LAYOUT_CHECKS = ("llama_tied", "mamba_direct_reads", "uneven_and_empty", "units_small_prefetch2",
-                 "uneven_units_prefetch1", "sharded_lookups", "embedding_empty_shard", "zero1")  # fmt: skip
+                 "uneven_units_prefetch1", "sharded_lookups", "embedding_empty_shard", "zero1", "zero1_uneven")  # fmt: skip
 MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 # HSDP: 4 ranks as 2 x 2; at 2 ranks as 2 x 1 (every parameter whole in each
 # replica, so gradients are averaged across replicas only). At 2 x 2 the last
@@ -44,7 +44,7 @@ WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero
 # World size 4 is 4 processes on 2 cores: by default it runs only what needs 4
 # ranks (empty shards: rank 3 holds none of these parameters' rows); the rest
 # of its layout checks run under [Note: full_cpu] and on the GPUs at 2.
-WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", *HSDP_CHECKS[:3])
+WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", "zero1_uneven", *HSDP_CHECKS[:3])
 
 
 def _slower(world_size: int, check: str) -> bool:

@@ -15,6 +15,8 @@ World size 1 runs the same function with the collective skipped.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -83,6 +85,43 @@ def reduce_to_shard(
         if grad.shape[0] != local_rows:
             grad = grad[:local_rows]
     return grad.to(out_dtype) if grad.dtype != out_dtype else grad
+
+
+def gather_many(shards: list[torch.Tensor], dim0s: list[int], world_size: int, group_name: str,
+                dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
+    """``gather_full`` of several shards in ``dtype``, in one all-gather:
+    each rank's padded rows of every shard, laid end to end."""
+    shards = [s.to(dtype) for s in shards]
+    if world_size == 1:
+        return shards
+    chunks = [chunk_rows(d, world_size) for d in dim0s]
+    mine = torch.cat([_pad_rows(s, c).reshape(-1) for s, c in zip(shards, chunks)])
+    every = _funcol.wait_tensor(_funcol.all_gather_into_tensor(mine, world_size, group_name)).view(world_size, -1)
+    out, start = [], 0
+    for s, d, c in zip(shards, dim0s, chunks):
+        n = c * math.prod(s.shape[1:])
+        out.append(every[:, start : start + n].reshape(world_size * c, *s.shape[1:])[:d])
+        start += n
+    return out
+
+
+def reduce_many(grads: list[torch.Tensor], local_rows: list[int], world_size: int, group_name: str,
+                reduce_dtype: torch.dtype, out_dtypes: list[torch.dtype]) -> list[torch.Tensor]:  # fmt: skip
+    """``reduce_to_shard`` of several full gradients, summed in ``reduce_dtype``,
+    in one reduce-scatter: rank r's padded rows of every gradient, end to end."""
+    grads = [g.to(reduce_dtype) for g in grads]
+    if world_size == 1:
+        return [g.to(o) for g, o in zip(grads, out_dtypes)]
+    chunks = [chunk_rows(g.shape[0], world_size) for g in grads]
+    parts = [_pad_rows(g, c * world_size).reshape(world_size, -1) for g, c in zip(grads, chunks)]
+    flat = torch.cat(parts, dim=1).reshape(-1)
+    mine = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(flat, "sum", world_size, group_name)) / world_size
+    out, start = [], 0
+    for g, c, rows, part, o in zip(grads, chunks, local_rows, parts, out_dtypes):
+        n = part.shape[1]
+        out.append(mine[start : start + n].view(c, *g.shape[1:])[:rows].to(o))
+        start += n
+    return out
 
 
 def reduce_replicated(
