@@ -31,8 +31,8 @@ SDPA, SwiGLU, untied output), built from the same seed:
   uncaptured, so that the two differ by the graph alone;
 - ``fxshard_no_sync``: with ``--micro-batches K``, all micro-batches but the
   last under ``set_requires_gradient_sync(False)``;
-- ``fxshard_flat``, ``fxshard_r2``, ``fxshard_shard_frozen``: fxshard options
-  (``FXSHARD_VARIANTS``). ``--frozen-layers N`` freezes the embedding and the
+- ``fxshard_flat``, ``fxshard_r2``, ``fxshard_shard_frozen``, ``fxshard_zero2``,
+  ``fxshard_zero1``: fxshard options (``FXSHARD_VARIANTS``). ``--frozen-layers N`` freezes the embedding and the
   first N layers, a frozen tower: fxshard replicates it, ``fxshard_shard_frozen``
   and FSDP2 shard it.
 All use bf16 compute, fp32 gradient reduction, fp32 master weights and
@@ -103,8 +103,10 @@ FXSHARD_VARIANTS = {
     "fxshard_r2": {"reduces_in_flight": 2},  # two reduce-scatters in flight, two reduce inputs alive
     "fxshard_capturable": {},  # fxshard_graph's step, uncaptured
     "fxshard_graph": {},  # the step in fxshard.cuda_graph
-    "fxshard_shard_frozen": {"shard_frozen": True},
-    "fxshard_no_sync": {},  # with --micro-batches: only the last micro-batch reduces  # with --frozen-layers: the frozen tower sharded, not replicated
+    "fxshard_shard_frozen": {"shard_frozen": True},  # with --frozen-layers: the tower sharded, not replicated
+    "fxshard_no_sync": {},  # with --micro-batches: only the last micro-batch reduces
+    "fxshard_zero2": {"zero_stage": 2},  # gathered weights kept from forward to backward
+    "fxshard_zero1": {"zero_stage": 1},  # full copies kept between steps, gathered once per step
 }
 ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS)))
 # [Note: a step a CUDA graph can replay] A replay reuses the captured
