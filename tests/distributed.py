@@ -22,11 +22,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, env: dict, fn: Callable,
+           args: tuple) -> None:  # fmt: skip
     import faulthandler
 
     import torch
 
+    # A forkserver child inherits the server's environment, not the caller's.
+    os.environ.clear()
+    os.environ.update(env)
     # A rank that dies on a signal (a heap corruption's SIGABRT, a SIGSEGV)
     # prints every thread's Python stack to stderr, which pytest shows.
     faulthandler.enable(all_threads=True)
@@ -46,6 +50,21 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, fn
         dist.destroy_process_group()
 
 
+_PRELOADED = False
+
+
+def _preload_once() -> None:
+    """Ranks fork from a server that imported torch once (a spawned rank
+    spends about 3 s importing it; the suite starts about 25 sets of ranks).
+    Imports only: the server runs no op, so no thread pool is forked."""
+    global _PRELOADED
+    if not _PRELOADED:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+        _PRELOADED = True
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on each rank; return the results.
 
@@ -56,10 +75,11 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, b
     """
     import torch
 
+    _preload_once()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(world_size, _free_port(), out_dir, backend, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            _entry, args=(world_size, _free_port(), out_dir, backend, dict(os.environ), fn, args), nprocs=world_size,
+            join=False, start_method="forkserver",
         )  # fmt: skip
         try:
             deadline_left = timeout
