@@ -36,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from fxshard.params import as_dtensor_grads, dtensor_metas
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many, shard_range
@@ -138,7 +139,7 @@ class _KeptFull(torch.autograd.Function):
     def forward(ctx, kept: KeptParams, indices: list[int], replicas: Replicas | None, *params: DTensor) -> tuple:
         ctx.set_materialize_grads(False)
         ctx.kept, ctx.indices, ctx.replicas = kept, indices, replicas
-        ctx.metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+        ctx.metas = dtensor_metas(params)
         return tuple(kept.full[i].view_as(kept.full[i]) for i in indices)
 
     @staticmethod
@@ -154,11 +155,4 @@ class _KeptFull(torch.autograd.Function):
                                   [kept.specs[i].shard_dtype for i in bucket])  # fmt: skip
             for i, shard in zip(bucket, reduced):
                 shards[where[i]] = shard
-        if ctx.replicas is not None:
-            present = [j for j, g in enumerate(shards) if g is not None]
-            for j, g in zip(present, ctx.replicas.average([shards[j] for j in present])):
-                shards[j] = g
-        return (None, None, None, *(
-            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
-            for g, (mesh, placements, shape, stride) in zip(shards, ctx.metas)
-        ))  # fmt: skip
+        return (None, None, None, *as_dtensor_grads(tuple(shards), ctx.metas, ctx.replicas))

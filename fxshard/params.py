@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import shard_range
+from fxshard.runtime.collectives import Replicas, shard_range
 
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
 
@@ -144,6 +144,26 @@ def local_rows(param: DTensor) -> tuple[int, int]:
         return 0, param.shape[0]
     mesh, (dim,) = param.device_mesh, sharded  # one sharded dimension: the last (HSDP's shard dim)
     return shard_range(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
+
+
+def dtensor_metas(params: tuple[DTensor, ...]) -> list[tuple]:
+    """What ``as_dtensor_grads`` needs of each parameter, kept by an autograd node."""
+    return [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+
+
+def as_dtensor_grads(grads: tuple[torch.Tensor | None, ...], metas: list[tuple],
+                     replicas: Replicas | None) -> tuple[DTensor | None, ...]:  # fmt: skip
+    """Local gradients as their parameters' DTensor gradients (``metas`` from
+    ``dtensor_metas``), averaged across HSDP ``replicas`` first (see [Note: HSDP])."""
+    grads = list(grads)
+    if replicas is not None:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i, g in zip(present, replicas.average([grads[i] for i in present])):
+            grads[i] = g
+    return tuple(
+        None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+        for g, (mesh, placements, shape, stride) in zip(grads, metas)
+    )
 
 
 def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:

@@ -160,7 +160,7 @@ class _ToLocal(torch.autograd.Function):
     def forward(ctx, replicas: Replicas | None, *params: DTensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
         ctx.replicas = replicas  # HSDP: average the reduced gradients over replicas (see [Note: HSDP])
-        ctx.metas = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+        ctx.metas = param_writes.dtensor_metas(params)
         # A fresh view of each local tensor (an output must not be an input's
         # own tensor). Reading it directly, not through ``to_local`` (an
         # autograd function per call), saves ~10 us a parameter on every
@@ -170,16 +170,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        if ctx.replicas is not None:
-            present = [i for i, g in enumerate(grads) if g is not None]
-            averaged = ctx.replicas.average([grads[i] for i in present])
-            grads = list(grads)
-            for i, g in zip(present, averaged):
-                grads[i] = g
-        return (None, *(
-            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
-            for g, (mesh, placements, shape, stride) in zip(grads, ctx.metas)
-        ))  # fmt: skip
+        return (None, *param_writes.as_dtensor_grads(grads, ctx.metas, ctx.replicas))
 
 
 class LocalShards:
