@@ -185,6 +185,12 @@ def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
             f"mesh must be 1-D (shard over it) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh "
             f"{tuple(mesh.shape)}; pass the data-parallel submesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
         )
+    if mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"mesh covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks; fxshard makes its side "
+            "communicators with torch.distributed.new_group, which every rank must enter, so pass a mesh over "
+            "all ranks (a 2-D (replicate, shard) mesh for HSDP)"
+        )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError(
             "a 2-D (HSDP) mesh needs named dimensions, replicate first: "

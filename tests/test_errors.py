@@ -30,6 +30,12 @@ def test_mesh_must_be_one_or_two_dimensional(fake_pg):
         fxshard.compile(nn.Linear(4, 4), mesh)
 
 
+def test_mesh_must_cover_every_rank(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"]
+    with pytest.raises(ValueError, match="mesh covers 2 of the 4 ranks"):
+        fxshard.compile(nn.Linear(4, 4), mesh)
+
+
 def test_mesh_must_be_a_device_mesh(fake_pg):
     with pytest.raises(ValueError, match="DeviceMesh"):
         fxshard.compile(nn.Linear(4, 4), "cpu")
