@@ -211,6 +211,10 @@ class CapturedStep:
         persistent = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         graphs_before = [len(m.fxshard_plan.graphs) for m in models]
+        for model in models:  # replays run no Python: ZeRO-1's gather must be in the graph (see [Note: ZeRO-1])
+            kept = model.fxshard_plan.root.shards.kept
+            if kept is not None:
+                kept.stale = True
         try:
             with compat.stale_capture_stream_override(), _recording():
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):

@@ -14,12 +14,16 @@ first call of the root module after the shards changed, so once per step:
   ``fxshard.compile``'s write-through of gathered parameters), seen as a
   change of the DTensor's or its local tensor's version counter.
 
-Micro-batches of one step then gather nothing. Compiled graphs read the
+Micro-batches of one step then gather nothing. A CUDA-graph capture always
+records the gather (replays run no Python to notice a step), at the first
+call of the captured step. Compiled graphs read the
 copies as plain inputs (no ``fxshard::unshard`` marker, so no units), and
 ``_KeptFull``'s backward reduce-scatters the gradients to their shards,
-after the graph's backward (not overlapped with it). Gathers and reduces
-are coalesced: one collective per run of parameters of one dtype, up to
-``unit_mb`` of full values. Under ``fxshard.cuda_graph`` the gather runs inside
+after the graph's backward (not overlapped with it). Until then every full
+gradient is alive, in the compute dtype, as in DeepSpeed's stage 1: ZeRO-1
+spends that memory, and the copies, to gather nothing per micro-batch.
+Gathers and reduces are coalesced: one collective per run of parameters of
+one dtype, up to ``unit_mb`` of full values. Under ``fxshard.cuda_graph`` the gather runs inside
 the captured step, at the first call after the optimizer step, which is
 where the warm-up left it stale. Accumulation without sync is not
 supported at this stage (a clear error), and a model on the sequenced path
@@ -81,7 +85,8 @@ class KeptParams:
         if not self.stale and seen == self._seen:
             return
         locals_ = {i: compat.local_tensor(p) for i, p in zip(self.specs, mine)}
-        with torch.no_grad():
+        # Not inference tensors, even when the first call is under inference_mode: training writes them later.
+        with torch.inference_mode(False), torch.no_grad():
             for bucket in self._buckets(list(self.specs), lambda s: s.dtype or s.shard_dtype):
                 first = self.specs[bucket[0]]
                 gathered = gather_many([locals_[i] for i in bucket], [self.specs[i].dim0 for i in bucket],

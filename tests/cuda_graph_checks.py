@@ -81,6 +81,9 @@ class Case:
     prepare: Callable[[nn.Module], None] | None = None  # on the built model, before compile
     # HSDP over all ranks: "replicate" is a (world, 1) mesh, "shard" a (1, world) one.
     hsdp: str | None = None
+    # >0: the captured function is one micro-batch's forward and backward, called
+    # this many times per optimizer step, which runs outside the graph.
+    calls_per_step: int = 0
 
 
 def _small_llama() -> nn.Module:
@@ -138,6 +141,9 @@ CASES: dict[str, Case] = {
     # ZeRO-1: the full copies gathered inside the captured step, once per step.
     "strategies-zero1-llama": Case(**LLAMA, micro_batches=3, steps=8, compile_kwargs=dict(zero_stage=1)),
     "strategies-zero1-hybrid-bf16": Case(**HYBRID, compile_kwargs=dict(zero_stage=1, mp_policy=BF16)),
+    # The optimizer steps outside the graph, every 4 calls: the capture (the
+    # third call) comes mid-step, and every replay must still gather.
+    "strategies-zero1-step_outside-llama": Case(**LLAMA, compile_kwargs=dict(zero_stage=1), calls_per_step=4, steps=12),
     "strategies-hsdp-replicate-llama": Case(**LLAMA, hsdp="replicate", prepare=_freeze_and_replicate),
     "strategies-hsdp-shard-hybrid": Case(**HYBRID, hsdp="shard", micro_batches=3, steps=8, no_sync=True),
     "memory-hybrid": Case(make_model=_wide_hybrid, loss=_inside_loss, vocab=1001, batch=(4, 256), steps=3),
@@ -182,8 +188,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, case: Case) -> Call
                 micro.backward()
                 losses.append(micro.detach())
             loss = torch.stack(losses).sum()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        if not case.calls_per_step:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
         return loss.detach()
 
     return step
@@ -224,8 +231,17 @@ def bitwise_check(rank: int, world_size: int, name: str, backend: str | None = N
     plain_step = train_step(*plain, case)
     graph_step = fxshard.cuda_graph(train_step(*graphed, case), warmup=WARMUP)
     batches = [_batch(case, step, rank, device) for step in range(case.steps)]
-    plain_losses = [plain_step(*batch).clone() for batch in batches]
-    graph_losses = [graph_step(*batch).clone() for batch in batches]
+
+    def losses(step: Callable, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = []
+        for i, batch in enumerate(batches):
+            out.append(step(*batch).clone())
+            if case.calls_per_step and (i + 1) % case.calls_per_step == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+        return out
+
+    plain_losses, graph_losses = losses(plain_step, plain[1]), losses(graph_step, graphed[1])
     failures = [f"step {i} loss: plain {p.item()!r}, graph {g.item()!r}"
                 for i, (p, g) in enumerate(zip(plain_losses, graph_losses)) if not torch.equal(p, g)]  # fmt: skip
     failures += _state_differences(plain, graphed)

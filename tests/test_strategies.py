@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -14,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 import fxshard
 from examples.llama import lm_loss
 from fxshard import plan as plan_module
+from fxshard.runtime.collectives import gather_many, reduce_many
 from tests import models
 from tests.distributed import check_results, run_ranks
 
@@ -83,12 +85,14 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
         for i in kept.specs:
             torch.testing.assert_close(kept.full[i], params[i].full_tensor(), atol=0, rtol=0)
 
+    with torch.inference_mode():  # the copies must not be inference tensors, which training could not refresh
+        model(tokens)
     for _ in range(2):
         for _ in range(3):
             lm_loss(model(tokens), tokens).backward()
         opt.step()
         opt.zero_grad()
-    assert kept.gathers == 2
+    assert kept.gathers == 2  # at the inference call, and after the first step
     with torch.no_grad():
         model(tokens)
     assert kept.gathers == 3
@@ -103,6 +107,19 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
     copies_match()
     with pytest.raises(NotImplementedError, match="zero_stage=2 to accumulate without sync"):
         model.set_requires_gradient_sync(False)
+
+
+def test_coalesced_collectives_take_empty_and_one_dimensional_parameters(fake_pg):
+    """ZeRO-1's coalesced gather and reduce on shapes that ``reshape(-1)`` trips
+    on: no elements, no rows on this rank, one dimension (fake group: shapes only)."""
+    group = dist.group.WORLD.group_name
+    shards = [torch.empty(0, 8), torch.empty(1, 0), torch.randn(1), torch.randn(2, 3)]  # rank 0 of 4
+    full = gather_many(shards, [0, 4, 3, 7], 4, group, torch.bfloat16)
+    assert [tuple(t.shape) for t in full] == [(0, 8), (4, 0), (3,), (7, 3)]
+    assert all(t.dtype == torch.bfloat16 for t in full)
+    grads = [torch.empty(0, 8), torch.empty(4, 0), torch.randn(3), torch.randn(7, 3)]
+    reduced = reduce_many(grads, [0, 1, 1, 2], 4, group, torch.float32, [torch.bfloat16] * 4)
+    assert [tuple(t.shape) for t in reduced] == [(0, 8), (1, 0), (1,), (2, 3)]
 
 
 def test_frozen_that_do_not_fit_are_sharded(fake_pg, monkeypatch, caplog):

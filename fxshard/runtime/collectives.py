@@ -96,7 +96,8 @@ def gather_many(shards: list[torch.Tensor], dim0s: list[int], world_size: int, g
         return shards
     chunks = [chunk_rows(d, world_size) for d in dim0s]
     mine = torch.cat([_pad_rows(s, c).reshape(-1) for s, c in zip(shards, chunks)])
-    every = _funcol.wait_tensor(_funcol.all_gather_into_tensor(mine, world_size, group_name)).view(world_size, -1)
+    every = _funcol.wait_tensor(_funcol.all_gather_into_tensor(mine, world_size, group_name))
+    every = every.view(world_size, every.numel() // world_size)  # explicit: -1 fails when it is empty
     out, start = [], 0
     for s, d, c in zip(shards, dim0s, chunks):
         n = c * math.prod(s.shape[1:])
@@ -113,7 +114,8 @@ def reduce_many(grads: list[torch.Tensor], local_rows: list[int], world_size: in
     if world_size == 1:
         return [g.to(o) for g, o in zip(grads, out_dtypes)]
     chunks = [chunk_rows(g.shape[0], world_size) for g in grads]
-    parts = [_pad_rows(g, c * world_size).reshape(world_size, -1) for g, c in zip(grads, chunks)]
+    parts = [_pad_rows(g, c * world_size).reshape(world_size, c * math.prod(g.shape[1:]))
+             for g, c in zip(grads, chunks)]  # fmt: skip
     flat = torch.cat(parts, dim=1).reshape(-1)
     mine = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(flat, "sum", world_size, group_name)) / world_size
     out, start = [], 0
