@@ -45,7 +45,6 @@ class ShardPlan:
     mesh: DeviceMesh  # as the user passed it: the parameters' DTensors live on it
     shard_mesh: DeviceMesh  # its dimension that parameters are sharded over (the mesh itself if 1-D)
     params: tuple[ParamPlan, ...]  # per distinct parameter: placement, gradient reduce, lifetime, dtypes
-    reshard_after_forward: bool
     zero_stage: int
     mp_policy: MixedPrecision
     backend: str
@@ -53,6 +52,11 @@ class ShardPlan:
     graphs: list[GraphRecord]
     root: RootState
     units: Units | None  # None at world size 1 and for backend="eager"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's name for ``zero_stage == 3``."""
+        return self.zero_stage == 3
 
     @property
     def sequenced(self) -> bool:
@@ -451,8 +455,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
         state.on_graph_break = functools.partial(_allow_graph_breaks, model, compiled)
-    plan = ShardPlan(mesh, shards, params, reshard_after_forward, zero_stage, mp_policy, backend, debug_dir, graphs,
-                     state, unit_plan)  # fmt: skip
+    plan = ShardPlan(mesh, shards, params, zero_stage, mp_policy, backend, debug_dir, graphs, state, unit_plan)
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
     checkpoint.install(model)  # full state dicts load into the shards

@@ -3,7 +3,7 @@
 [Note: ZeRO-1]
 With ``zero_stage=1`` each rank holds, beside its shards, a full copy of
 every sharded parameter in the compute dtype (``KeptParams.full``).
-Optimizer state and gradients stay sharded: the optimizer steps on the
+Optimizer state and ``.grad`` stay sharded: the optimizer steps on the
 shards, as at every stage. The copies are gathered at the start of the
 first call of the root module after the shards changed, so once per step:
 
@@ -15,19 +15,19 @@ first call of the root module after the shards changed, so once per step:
   change of the DTensor's or its local tensor's version counter.
 
 Micro-batches of one step then gather nothing. A CUDA-graph capture always
-records the gather (replays run no Python to notice a step), at the first
-call of the captured step. Compiled graphs read the
-copies as plain inputs (no ``fxshard::unshard`` marker, so no units), and
-``_KeptFull``'s backward reduce-scatters the gradients to their shards,
-after the graph's backward (not overlapped with it). Until then every full
-gradient is alive, in the compute dtype, as in DeepSpeed's stage 1: ZeRO-1
-spends that memory, and the copies, to gather nothing per micro-batch.
-Gathers and reduces are coalesced: one collective per run of parameters of
-one dtype, up to ``unit_mb`` of full values. Under ``fxshard.cuda_graph`` the gather runs inside
-the captured step, at the first call after the optimizer step, which is
-where the warm-up left it stale. Accumulation without sync is not
-supported at this stage (a clear error), and a model on the sequenced path
-(graph breaks) gathers on every call, as at the other stages.
+records the gather, at the first call of the captured step: replays run no
+Python to notice a step.
+
+Compiled graphs read the copies as plain inputs (no ``fxshard::unshard``
+marker, so no units), and ``_KeptFull``'s backward reduce-scatters the
+gradients to their shards after the graph's backward (not overlapped with
+it). Until then every full gradient is alive, in the compute dtype, as in
+DeepSpeed's stage 1: ZeRO-1 spends that memory, and the copies, to gather
+nothing per micro-batch. Gathers and reduces are coalesced: one collective
+per run of parameters of one dtype, up to ``unit_mb`` of full values.
+Accumulation without sync is refused at this stage (so every backward
+reduces), and a model on the sequenced path (graph breaks) gathers on
+every call, as at the other stages.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ class KeptParams:
         global _HOOK
         self.specs = specs
         self.bucket_bytes = bucket_bytes  # of gathered values per all-gather or reduce-scatter
-        self.local_rows = {i: (lambda r: r[1] - r[0])(shard_range(s.dim0, s.world_size, rank))
-                           for i, s in specs.items()}  # fmt: skip
+        self.local_rows = {}
+        for i, s in specs.items():
+            start, end = shard_range(s.dim0, s.world_size, rank)
+            self.local_rows[i] = end - start
         self.replicas = replicas
         self.full: dict[int, torch.Tensor] = {}
         self.ids: set[int] = set()  # of the DTensor parameters, for the optimizer hook
@@ -78,13 +80,12 @@ class KeptParams:
     def refresh(self, params: list[DTensor]) -> None:
         """Gather the copies if a shard changed since the last gather (see the Note)."""
         mine = [params[i] for i in self.specs]
-        self.ids = {id(p) for p in mine}
+        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.specs, mine)}
         # Objects too: to_empty and .data assignments replace tensors, whose new counters start over.
-        seen = tuple((id(p), p._version, id(local), local._version) for p in mine
-                     for local in (compat.local_tensor(p),))  # fmt: skip
+        seen = tuple((id(p), p._version, id(local), local._version) for p, local in zip(mine, locals_.values()))
         if not self.stale and seen == self._seen:
             return
-        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.specs, mine)}
+        self.ids = {id(p) for p in mine}  # new objects change ``seen``, so this stays current
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
         with torch.inference_mode(False), torch.no_grad():
             for bucket in self._buckets(list(self.specs), lambda s: s.dtype or s.shard_dtype):
@@ -122,15 +123,14 @@ class KeptParams:
         self.full.clear()
         self._seen, self.stale = None, True
 
-    def reads(self, params: list[DTensor], phase_reduces: bool) -> dict[int, torch.Tensor]:
+    def reads(self, params: list[DTensor]) -> dict[int, torch.Tensor]:
         """Each kept parameter's full copy for one call: through ``_KeptFull``
         (its gradient reduce-scattered into the shard's) where it trains and
         grad is enabled, else the copy itself, detached."""
         trained = [i for i in self.specs if params[i].requires_grad] if torch.is_grad_enabled() else []
         out = {i: self.full[i].detach() for i in self.specs}
         if trained:
-            views = _KeptFull.apply(self, trained, self.replicas if phase_reduces else None,
-                                    *(params[i] for i in trained))  # fmt: skip
+            views = _KeptFull.apply(self, trained, *(params[i] for i in trained))
             out.update(zip(trained, views))
         return out
 
@@ -141,9 +141,9 @@ class _KeptFull(torch.autograd.Function):
     then across replicas for HSDP) and wraps it as the DTensor's gradient."""
 
     @staticmethod
-    def forward(ctx, kept: KeptParams, indices: list[int], replicas: Replicas | None, *params: DTensor) -> tuple:
+    def forward(ctx, kept: KeptParams, indices: list[int], *params: DTensor) -> tuple:
         ctx.set_materialize_grads(False)
-        ctx.kept, ctx.indices, ctx.replicas = kept, indices, replicas
+        ctx.kept, ctx.indices = kept, indices
         ctx.metas = dtensor_metas(params)
         return tuple(kept.full[i].view_as(kept.full[i]) for i in indices)
 
@@ -160,4 +160,4 @@ class _KeptFull(torch.autograd.Function):
                                   [kept.specs[i].shard_dtype for i in bucket])  # fmt: skip
             for i, shard in zip(bucket, reduced):
                 shards[where[i]] = shard
-        return (None, None, None, *as_dtensor_grads(tuple(shards), ctx.metas, ctx.replicas))
+        return (None, None, *as_dtensor_grads(tuple(shards), ctx.metas, kept.replicas))

@@ -228,7 +228,7 @@ class LocalShards:
         locals_: list[torch.Tensor | None] = [None] * len(params)
         if self.kept is not None:
             self.kept.refresh(params)
-            for i, full in self.kept.reads(params, phase != ACCUMULATE).items():
+            for i, full in self.kept.reads(params).items():
                 locals_[i] = full
         trained = [i for i, p in enumerate(params) if p.requires_grad and locals_[i] is None]
         if trained and torch.is_grad_enabled():
