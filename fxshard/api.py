@@ -22,10 +22,11 @@ from torch.distributed.tensor import DTensor
 from fxshard import checkpoint
 from fxshard.checks import check_same_model
 from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
-from fxshard.plan import Lifetime, ParamPlan, build_plan, device_memory, format_plan, marked
+from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.collectives import Replicas
+from fxshard.runtime.plans import ParamPlan, PlanTable
 from fxshard.runtime.units import Units
 from fxshard.sharding import PLAN, FXShardModule, RootState, shard_parameters
 
@@ -105,11 +106,11 @@ def _check_model(model: nn.Module) -> None:
             )
 
 
-def _explicit_units(model: nn.Module, units: object) -> list[list[str]]:
+def _explicit_units(model: nn.Module, units: object) -> tuple[tuple[str, ...], ...]:
     """The parameter names of each listed module, each parameter in its
     deepest listed module (as nested ``fully_shard`` calls assign them)."""
     if units is None:
-        return []
+        return ()
     if not isinstance(units, (list, tuple)) or not all(isinstance(m, nn.Module) for m in units):
         raise ValueError("units must be a list of submodules of the model, e.g. units=list(model.layers)")
     names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
@@ -129,7 +130,7 @@ def _explicit_units(model: nn.Module, units: object) -> list[list[str]]:
         owners = [name for name in listed if name == "" or fqn.startswith(name + ".")]
         if owners:
             groups[listed[max(owners, key=len)]].append(fqn)
-    return [g for g in groups if g]
+    return tuple(tuple(g) for g in groups if g)
 
 
 def _default_mesh(device_type: str) -> DeviceMesh:
@@ -301,12 +302,14 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
 
 
-def _write_plan(debug_dir: str, params: tuple[ParamPlan, ...]) -> None:
-    """``<debug_dir>/rank<r>/plan.txt``: one line per parameter."""
+def _write_plan(debug_dir: str, table: PlanTable) -> None:
+    """``<debug_dir>/rank<r>/plan.txt``: one line per parameter, by its index
+    in the plan (how graphs' markers name it)."""
     folder = os.path.join(debug_dir, f"rank{dist.get_rank()}")
     os.makedirs(folder, exist_ok=True)
+    lines = [f"{i:>4} {p.describe()}" for i, p in enumerate(table.params)]
     with open(os.path.join(folder, "plan.txt"), "w") as f:
-        f.write(format_plan(params) + "\n" + "\n".join(p.describe() for p in params) + "\n")
+        f.write(format_plan(table.params) + f"\nplan {table.id}, by index:\n" + "\n".join(lines) + "\n")
 
 
 def compile(  # noqa: A001 - the public name, as in torch.compile
@@ -435,20 +438,21 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     plans = build_plan(model, shards, device, mp_policy, reduce_group_name, lifetime, shard_frozen,
                        memory, whole, 1 if replicas is None else replicas.size)  # fmt: skip
     params = tuple(plans.values())
+    sharded_embeddings = sharded_embeddings and backend != "eager" and shards.size() > 1
+    count_group = _count_group(mesh) if sharded_embeddings else ""
     state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager",
-                             bucket_bytes=int(unit_mb * 2**20))  # fmt: skip
+                             bucket_bytes=int(unit_mb * 2**20), count_group_name=count_group)  # fmt: skip
     if debug_dir:
-        _write_plan(debug_dir, params)
+        _write_plan(debug_dir, state.table)
     graphs: list[GraphRecord] = []
     unit_plan = None
     if backend != "eager":
-        count_group = _count_group(mesh) if sharded_embeddings and shards.size() > 1 else None
         spec = BackendSpec(backend, reshard_after_forward, dist.get_rank(), shards.size(),
                            shards.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
-                           count_group, compile_blocks_once, reduces_in_flight, format_plan(params))  # fmt: skip
+                           sharded_embeddings, compile_blocks_once, reduces_in_flight, format_plan(params),
+                           explicit)  # fmt: skip
         if shards.size() > 1:
-            unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name,
-                              reduce_group_name, explicit)  # fmt: skip
+            unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name)
             state.after_first_call = unit_plan.rehome
         compiled = FXShardBackend(spec, unit_plan, _graph_agreement(shards))
         graphs = compiled.graphs

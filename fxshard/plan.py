@@ -19,11 +19,9 @@ carries the all-reduce. So a gradient is never left unreduced.
 
 from __future__ import annotations
 
-import enum
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -32,82 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.params import GatheredParameter
 from fxshard.policy import MixedPrecision
+from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, Reduce, placement_text, reduce_text
 
 # Frozen parameters are replicated by default only while, replicated, they
 # take at most this share of the device's memory.
 FROZEN_REPLICATE_SHARE = 0.25
-
-
-class Placement(enum.Enum):
-    SHARD = "Shard(0)"
-    REPLICATE = "Replicate()"
-
-
-class Reduce(enum.Enum):
-    """What happens to the parameter's gradient."""
-
-    REDUCE_SCATTER = "reduce-scatter"
-    ALL_REDUCE = "all-reduce"
-    NONE = "none"  # frozen at compile: no gradient (see [Note: replicated parameters])
-
-
-class Lifetime(enum.Enum):
-    """How long a gathered value lives."""
-
-    LAST_USE = "until last use"  # ZeRO-3: freed after forward, gathered again for backward
-    STEP = "until backward"  # ZeRO-2 (reshard_after_forward=False): kept from forward to backward
-    ALWAYS = "always"  # replicated (the local tensor is the full one), or ZeRO-1 (see [Note: ZeRO-1])
-
-
-@dataclass(frozen=True)
-class ParamPlan:
-    """One parameter's plan: everything a read, a gradient and a checkpoint need."""
-
-    fqn: str
-    placement: Placement
-    reduce: Reduce
-    lifetime: Lifetime
-    dim0: int
-    world_size: int  # of the dimension it is sharded over
-    group_name: str
-    reduce_group_name: str  # same ranks, another communicator (see fxshard::unshard)
-    dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
-    reduce_dtype: torch.dtype | None
-    requires_grad: bool  # at compile time
-    shape: tuple[int, ...]  # the full parameter's
-    shard_dtype: torch.dtype
-    device: torch.device
-    replicas: int = 1  # HSDP: copies across the mesh's replicate dimension (see [Note: HSDP])
-
-    @property
-    def replicated(self) -> bool:
-        return self.placement is Placement.REPLICATE
-
-    @property
-    def kept(self) -> bool:
-        """Sharded, and held gathered between steps (ZeRO-1; see [Note: ZeRO-1])."""
-        return self.placement is Placement.SHARD and self.lifetime is Lifetime.ALWAYS
-
-    def describe(self) -> str:
-        dtypes = (
-            f"{_dtype(self.dtype or self.shard_dtype)}/{_dtype(self.reduce_dtype or self.dtype or self.shard_dtype)}"
-        )
-        return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {_placement(self)}, "
-                f"compute/reduce {dtypes}, gradient {_reduce(self)}, gathered value {self.lifetime.value}")  # fmt: skip
-
-
-def _placement(p: ParamPlan) -> str:
-    return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
-
-
-def _reduce(p: ParamPlan) -> str:
-    if p.replicas == 1 or p.reduce is Reduce.NONE:
-        return p.reduce.value
-    return f"{p.reduce.value}, then all-reduce over {p.replicas} replicas"
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # Modules and parameters that fxshard.no_shard marked, until compile reads them.
@@ -228,7 +155,7 @@ def format_plan(plans: tuple[ParamPlan, ...]) -> str:
     parameters of every kind but the most common one."""
     kinds: dict[tuple, list[ParamPlan]] = {}
     for p in plans:
-        kinds.setdefault((_placement(p), _reduce(p), p.lifetime), []).append(p)
+        kinds.setdefault((placement_text(p), reduce_text(p), p.lifetime), []).append(p)
     common = max(kinds, key=lambda k: len(kinds[k])) if kinds else None
     lines = [f"parameters: {len(plans)}"]
     for (placement, reduce, lifetime), members in kinds.items():

@@ -49,7 +49,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import contextvars
-import dataclasses
 import logging
 import types
 import weakref
@@ -67,6 +66,7 @@ from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, shard_range
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
+from fxshard.runtime.plans import PlanTable
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
 from fxshard.runtime.units import ParamInfo
 
@@ -131,24 +131,22 @@ class FXShardRoot(FXShardModule):
         state.sync = requires_gradient_sync
 
 
-def _gather(local: torch.Tensor, spec: ParamPlan, phase: tuple[int, ...] = ()) -> torch.Tensor:
-    """``phase``: (phase, store id, plan index) outside the SYNC phase, () in it
-    (the marker's defaults; see [Note: accumulation without sync])."""
+def _gather(local: torch.Tensor, spec: ParamPlan, plan: int, index: int, phase: int = SYNC) -> torch.Tensor:
+    """The marker that reads parameter ``index`` of ``plan`` (see [Note:
+    markers name the plan]); ``phase``: see [Note: accumulation without sync]."""
     if spec.replicated:
-        return replicate(local, spec.world_size, spec.reduce_group_name, spec.fqn, spec.dtype, spec.reduce_dtype,
-                         *phase)  # fmt: skip
-    return unshard(local, spec.dim0, spec.world_size, spec.group_name, spec.reduce_group_name, spec.fqn, spec.dtype,
-                   spec.reduce_dtype, *phase)  # fmt: skip
+        return replicate(local, plan, index, phase)
+    return unshard(local, plan, index, phase)
 
 
-def _read_replicated(local: torch.Tensor, spec: ParamPlan, phase: tuple[int, ...]) -> torch.Tensor:
+def _read_replicated(local: torch.Tensor, spec: ParamPlan, plan: int, index: int, phase: int) -> torch.Tensor:
     """A replicated parameter inside a root call. Only a read that can get a
     gradient needs the marker (its backward all-reduces); a frozen one is
     the local tensor itself, cast at most (see [Note: replicated parameters]
     in fxshard/plan.py). Dynamo guards on ``requires_grad``, so unfreezing
     recompiles with the marker."""
     if local.requires_grad and torch.is_grad_enabled():
-        return _gather(local, spec, phase)
+        return _gather(local, spec, plan, index, phase)
     return local.to(spec.dtype) if spec.dtype is not None else local
 
 
@@ -249,22 +247,23 @@ class LocalShards:
                              for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
-def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int, store_id: int) -> property:
-    shape, dtype = list(spec.shape), spec.dtype or spec.shard_dtype
-    as_stored = dataclasses.replace(spec, dtype=None)
+def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int) -> property:
+    """``plan``: the id of the model's plan table, which the markers of reads
+    in a root call name; ``as_stored``: the same plans in the stored dtype,
+    for reads outside one."""
 
     def get(module: nn.Module) -> torch.Tensor:
         table = module._fxshard_locals
         if ANCHOR in table:  # sequenced reads (see [Note: two ways to read])
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
-            return seq_gather(anchor, seq_id, index, shape, dtype, spec.device)
+            return seq_gather(anchor, plan, index)
         if attr in table:  # inside a root call: the compute dtype, read by the graph
             if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/kept.py)
                 return table[attr]
-            phase = () if table[PHASE] == SYNC else (table[PHASE], store_id, index)
+            phase = table[PHASE]
             if spec.replicated:
-                return _read_replicated(table[attr], spec, phase)
-            return _gather(table[attr], spec, phase)
+                return _read_replicated(table[attr], spec, plan, index, phase)
+            return _gather(table[attr], spec, plan, index, phase)
         # Outside one (init, a submodule called directly, a read after
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
@@ -275,7 +274,7 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, seq_id: int, sto
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
-            full = _gather(param.to_local(), as_stored)
+            full = _gather(param.to_local(), spec, as_stored, index)
         return param_writes.gathered_parameter(full, full, param.write_full)
 
     compat.skip_as_top_frame(get.__code__)
@@ -286,8 +285,10 @@ class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
     def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...],
-                 device: torch.device, fqns: dict[int, str]) -> None:  # fmt: skip
+                 device: torch.device, fqns: dict[int, str], table: PlanTable) -> None:  # fmt: skip
         self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
+        # The plans that read markers name (see [Note: markers name the plan]); held here, with the model.
+        self.table, self.stored_table = table, table.as_stored()
         self.infos = infos  # per distinct parameter, for units (fxshard/runtime/units.py)
         self.device = device
         self.fqns = fqns  # id of each shard -> its parameter's name
@@ -295,7 +296,7 @@ class RootState:
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
         self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
-        self.store = GradStore(sequencer.reduce_one, self._note_kept)
+        self.store = GradStore(table.id, sequencer.reduce_one, self._note_kept)
         sequencer.after_hold = self._note_kept
         self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
@@ -500,13 +501,15 @@ def shard_parameters(
     device: torch.device,
     sequenced: bool,
     bucket_bytes: int,
+    count_group_name: str = "",
 ) -> RootState:
     """Shard every parameter of ``model`` in place as ``plans`` (by the
     parameter's id) says; return the root's state. ``mesh``: the user's, on
     which the DTensors live; ``shard_mesh``: its dimension parameters are
     sharded over; ``replicas``: across which gradients are averaged after
     (HSDP; see [Note: HSDP]). ``bucket_bytes``: the size of ZeRO-1's
-    coalesced gathers and reduces (see [Note: ZeRO-1]). ``sequenced`` starts with
+    coalesced gathers and reduces (see [Note: ZeRO-1]). ``count_group_name``:
+    where sharded lookups compare token counts (see [Note: sharded lookups]). ``sequenced`` starts with
     sequenced reads (eager runs). ``device`` is where shards live: the
     parameters' device, or the mesh's for parameters on the meta device
     (materialized later by ``to_empty``).
@@ -541,15 +544,16 @@ def shard_parameters(
             infos.append(_param_info(first_mod, first_attr, spec, shard_mesh))
     per_module.setdefault(model, {})
     index = {spec.fqn: i for i, spec in enumerate(plans[key] for key in owners)}
-    sequencer = Sequencer(entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
+    table = PlanTable(tuple(plans[key] for key in owners), tuple(e.local_rows for e in entries), count_group_name)
+    sequencer = Sequencer(table.id, entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
     specs = [plans[key] for key in owners]
     kept = {i: spec for i, spec in enumerate(specs) if spec.kept}
     shards = LocalShards(list(owners.values()), replicas,
                          KeptParams(kept, shard_mesh.get_local_rank(), replicas, bucket_bytes) if kept else None)  # fmt: skip
-    state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns)
+    state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns, table)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():
-        props = {a: _gathering_property(a, spec, index[spec.fqn], sequencer.id, state.store.id)
+        props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     return state

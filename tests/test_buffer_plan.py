@@ -17,7 +17,7 @@ from fxshard.passes.memory import graph_peak, liveness, step_peak
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend
 from fxshard.runtime import compat
 from fxshard.runtime.units import UNIT_GATHER, UNIT_REDUCE
-from tests import models
+from tests import marker_plans, models
 
 _aten, _funcol = torch.ops.aten, torch.ops._c10d_functional
 
@@ -171,11 +171,12 @@ def test_per_parameter_collectives_are_planned(fake_pg):
     """Without units (FXShardBackend(units=None)) the markers lower to funcol
     collectives, per parameter; the plan takes their buffers."""
     group = dist.group.WORLD.group_name
-    mark = lambda s, dim0, name: torch.ops.fxshard.unshard.default(s, dim0, 4, group, group, name,
-                                                           torch.bfloat16, torch.float32)  # fmt: skip
+    # Shards of 3 x 6 of two 10-row parameters, gathered in bf16, reduced in fp32.
+    w1, w2 = (marker_plans.sharded(n, (10, 6), 3, 4, group, group, torch.bfloat16, torch.float32) for n in ("w1", "w2"))
 
     def f(x, s1, s2):
-        return (x @ mark(s1, 10, "w1").float().t() @ mark(s2, 10, "w2").float()).sum()
+        unshard = torch.ops.fxshard.unshard.default
+        return (x @ unshard(s1, *w1).float().t() @ unshard(s2, *w2).float()).sum()
 
     backend = FXShardBackend(BackendSpec("aot_eager", True, 0, 4, group, None), units=None)
     s1, s2 = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True)

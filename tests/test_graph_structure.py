@@ -14,7 +14,9 @@ from torch.testing import FileCheck
 
 import fxshard
 from fxshard.passes.lower import LOWERED
-from fxshard.runtime import compat
+from fxshard.passes.markers import param_of
+from fxshard.passes.units import form_units
+from fxshard.runtime import compat, plans as plans_module
 from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
 from tests import models
 
@@ -530,7 +532,7 @@ def test_units_id_names_the_layout():
         infos = [ParamInfo(f"w{i}", shape, shape[0] // 2, torch.float32, torch.float32, torch.float32,
                            torch.device("cpu"), lambda: None, lambda t: None) for i, shape in enumerate(shapes)]  # fmt: skip
         u = Units(infos, 2, "0", "1")
-        u.assign([info.fqn for info in infos], unit_bytes=2**20)
+        u.form(form_units(u.params, [info.fqn for info in infos], unit_bytes=2**20))
         return u
 
     a = units((4, 3), (6, 2))
@@ -541,6 +543,24 @@ def test_units_id_names_the_layout():
     del a, b
     gc.collect()
     assert units((4, 3), (6, 2)).id == a_id
+
+
+def test_plan_id_names_the_plan():
+    """Markers name a model's plan table by id, baked into graphs that torch
+    caches on disk: the id depends on the plans only, and two live tables of
+    the same plans (two copies of one model) get two ids, so that each
+    model's reads find its own gradient store and sequencer."""
+    from tests import marker_plans
+
+    plan, _ = marker_plans.sharded("w", (8, 3), 4, 2)
+    table = plans_module.table(plan)
+    again = plans_module.PlanTable(table.params, table.local_rows)
+    rows = plans_module.PlanTable(table.params, (3,))
+    assert again.id == plan + 1 and rows.id not in (plan, plan + 1)
+    again_id = again.id
+    del again
+    gc.collect()
+    assert plans_module.PlanTable(table.params, table.local_rows).id == again_id
 
 
 def test_members_start_aligned_in_the_gathered_unit():
@@ -554,7 +574,7 @@ def test_members_start_aligned_in_the_gathered_unit():
         infos = [ParamInfo(f"w{i}", shape, -(-shape[0] // 3), dtype, dtype, torch.float32, torch.device("cpu"),
                            lambda: None, lambda t: None) for i, shape in enumerate(shapes)]  # fmt: skip
         u = Units(infos, 3, "0", "1")
-        u.assign([info.fqn for info in infos], unit_bytes=2**20)
+        u.form(form_units(u.params, [info.fqn for info in infos], unit_bytes=2**20))
         (unit,) = u.units
         ends = [3 * m.offset for m in unit.members]
         assert all(start * dtype.itemsize % 16 == 0 for start in ends), ends
@@ -608,7 +628,7 @@ def test_untied_embedding_lookup_moves_tokens_not_the_table(fake_pg):
     assert record.sharded_lookups == ("embed.weight",)
     assert "embed.weight" not in model.fxshard_plan.units.unit_of
     (lookup,) = _nodes(record.captured, EMBEDDING)
-    assert lookup.args[7] == "embed.weight" and lookup.args[1].op == "placeholder"  # the local shard itself
+    assert param_of(lookup).fqn == "embed.weight" and lookup.args[1].op == "placeholder"  # the local shard itself
     assert len(_nodes(record.forward, EMBEDDING)) == 1 and len(_nodes(record.backward, EMBEDDING_BACKWARD)) == 1
     assert "sharded embedding lookups (tokens move, not the table): embed.weight" in record.summary()
 

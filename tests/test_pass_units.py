@@ -15,11 +15,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.passes.bucket import bucket_collectives_pass
-from fxshard.passes.lower import LOWERED, PARAM, lower_collectives_pass, op_arguments
-from fxshard.passes.markers import is_reduce, is_unshard
+from fxshard.passes.lower import LOWERED, PARAM, lower_collectives_pass
+from fxshard.passes.markers import is_reduce, is_unshard, param_of
 from fxshard.passes.schedule import schedule_collectives_pass
 from fxshard.passes.tagging import tag_unshard_pass
+from fxshard.passes.units import form_units
 from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, ParamInfo, Units
+from tests import marker_plans
 
 _aten, _funcol, _fxshard = torch.ops.aten, torch.ops._c10d_functional, torch.ops.fxshard
 WS = 4
@@ -27,11 +29,13 @@ MUST_RECOMPUTE, MUST_SAVE = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MU
 
 
 def _unshard(shard: torch.Tensor, dim0: int, param: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _fxshard.unshard(shard, dim0, WS, "0", "1", param, dtype, None)
+    return _fxshard.unshard(
+        shard, *marker_plans.sharded(param, (dim0, *shard.shape[1:]), shard.shape[0], WS, dtype=dtype)
+    )
 
 
 def _reduce(grad: torch.Tensor, local_rows: int, param: str) -> torch.Tensor:
-    return _fxshard.reduce_grad(grad, local_rows, WS, "1", param, None, torch.float32)
+    return _fxshard.reduce_grad(grad, *marker_plans.sharded(param, tuple(grad.shape), local_rows, WS))
 
 
 def _trace(fn, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list]:
@@ -60,7 +64,7 @@ def _units() -> Units:
     infos = [ParamInfo(name, shape, 2, torch.float32, torch.float32, torch.float32, torch.device("cpu"),
                        lambda: None, lambda t: None) for name, shape in SHAPES.items()]  # fmt: skip
     units = Units(infos, WS, "0", "1")
-    units.assign(["a", "b", "c"], unit_bytes=100)
+    units.form(form_units(units.params, ["a", "b", "c"], unit_bytes=100))
     assert [u.names for u in units.units] == [("a", "b"), ("c",)]
     return units
 
@@ -103,7 +107,7 @@ def test_bucket_gathers_each_unit_once_and_reads_member_views():
     view_a = views[(False, 0, 0, 24, (8, 3))]
     assert len(view_a.users) == 2  # the matmul's transpose and the second read's sum
     # Only d, in no unit, keeps its marker (for lower_collectives).
-    assert [op_arguments(n)["param"] for n in gm.graph.nodes if is_unshard(n)] == ["d"]
+    assert [param_of(n).fqn for n in gm.graph.nodes if is_unshard(n)] == ["d"]
     pos = _positions(gm)
     assert pos[g1] < pos[w1] < min(pos[u] for v in w1.users for u in v.users)
     mul_c = next(n for n in gm.graph.nodes if n.target == _aten.mul.Tensor)
@@ -305,7 +309,7 @@ def _tags(gm: fx.GraphModule) -> dict[str, list[tuple[str, CheckpointPolicy]]]:
                 if "recompute" in n.meta:
                     chain.append((n.target._opname, n.meta["recompute"]))
                     frontier.extend(n.users)
-            tags[op_arguments(node)["param"]] = chain
+            tags[param_of(node).fqn] = chain
     return tags
 
 

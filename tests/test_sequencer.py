@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import fxshard
 from fxshard.runtime import sequencer as seq_mod
+from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, PlanTable, Reduce
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
 
 SHAPES = [(3, 2), (4,), (2, 2), (5, 1)]
@@ -44,12 +45,17 @@ def _sequencer(trainable=(True, True, True, True)) -> tuple[Sequencer, list[torc
             f"p{i}", shape[0], shape[0], shape, None, None, torch.float32, lambda t=trainable[i]: t,
             local=lambda v=value: v, add_grad=lambda g, i=i: grads.__setitem__(i, grads.get(i, 0) + g),
         ))  # fmt: skip
-    return Sequencer(entries, 1, "g"), values, grads
+    table = PlanTable(tuple(ParamPlan(f"p{i}", Placement.SHARD, Reduce.REDUCE_SCATTER, Lifetime.LAST_USE, shape[0], 1,
+                                      "g", "g", None, None, trainable[i], shape, torch.float32, torch.device("cpu"))
+                            for i, shape in enumerate(SHAPES)), tuple(shape[0] for shape in SHAPES))  # fmt: skip
+    seq = Sequencer(table.id, entries, 1, "g")
+    seq.table = table  # what the reads' ops find by id, alive with the sequencer
+    return seq, values, grads
 
 
 def _step(seq: Sequencer, reads: list[int], backward: bool = True) -> list[torch.Tensor]:
     with seq.call() as (anchor, frozen):
-        outs = [seq_gather(anchor, seq.id, k, list(SHAPES[k]), torch.float32, torch.device("cpu")) for k in reads]
+        outs = [seq_gather(anchor, seq.plan, k) for k in reads]
         loss = sum((o * (k + 1)).sum() for o, k in zip(outs, reads))
     if backward:
         loss.backward()

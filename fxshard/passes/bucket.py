@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxshard.passes.lower import COPIED_META, LOWERED, fake_value, op_arguments
-from fxshard.passes.markers import is_reduce, is_unshard
+from fxshard.passes.lower import COPIED_META, LOWERED, fake_value
+from fxshard.passes.markers import is_reduce, is_unshard, param_of
 from fxshard.runtime import compat
 from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Member, Unit, Units
 
@@ -49,7 +49,7 @@ def _group(graph: fx.Graph, units: Units, match) -> dict[int, list[tuple[int, fx
     found: dict[int, list[tuple[int, fx.Node]]] = {}
     for node in graph.nodes:
         if match(node):
-            where = units.unit_of.get(op_arguments(node)["param"])
+            where = units.unit_of.get(param_of(node).fqn)
             if where is not None:
                 found.setdefault(where[0], []).append((where[1], node))
     return found

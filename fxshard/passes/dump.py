@@ -1,7 +1,8 @@
 """Readable debug dumps of graphs, one folder per compiled graph and rank.
 
 Each graph file lists one node a line, ``name: dtype[shape] = op(args)``, with
-the module path the node came from as a trailing comment, followed by the
+the module path the node came from (and, for fxshard's markers, the
+parameter they name) as a trailing comment, followed by the
 graph's Python code (``print_readable``).
 """
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from fxshard.passes.markers import named_param
 
 
 def module_path(node: fx.Node) -> str:
@@ -63,6 +66,8 @@ def format_graph(gm: fx.GraphModule) -> str:
         else:
             text = f"{node.name}: {val} = {_target_name(node)}({args}{kwargs})"
         notes = [module_path(node)]
+        if (param := named_param(node)) is not None:  # markers name it by (plan, index)
+            notes.append(f"param {param}")
         if "recompute" in node.meta:
             notes.append(f"recompute={node.meta['recompute'].name}")
         note = "; ".join(n for n in notes if n)

@@ -9,10 +9,10 @@ from typing import Any
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import example_value, is_unshard
+from fxshard.passes.markers import example_value, is_unshard, param_of, phase_of, plan_index
 from fxshard.passes.runner import Recorded
 from fxshard.runtime.embedding import EMBEDDING
+from fxshard.runtime.ops import SYNC
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
 _DEFAULTS = {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False}
@@ -35,7 +35,7 @@ def _plain_lookup(user: fx.Node, weight: fx.Node) -> fx.Node | None:
     return args["input"] if isinstance(args["input"], fx.Node) else None
 
 
-def shard_embedding_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, count_group_name: str) -> Recorded:
+def shard_embedding_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Recorded:
     """Replace each embedding lookup that is its table's only reader by
     ``fxshard::embedding`` on the local shard. A table read any other way
     (tied to an output projection, say) keeps its gather. The record is the
@@ -45,24 +45,22 @@ def shard_embedding_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, c
     for node in list(graph.nodes):
         if not is_unshard(node) or not node.users:
             continue
-        a = op_arguments(node)
+        p = param_of(node)
         val = example_value(node)
         # Outside the SYNC phase the gradient is accumulated, not reduced: the
         # table is gathered (see [Note: accumulation without sync]).
-        if a["world_size"] == 1 or val is None or val.dim() != 2 or a.get("phase", 0) != 0:
+        if p.world_size == 1 or val is None or val.dim() != 2 or phase_of(node) != SYNC:
             continue
         lookups = [(user, _plain_lookup(user, node)) for user in node.users]
         if any(ids is None for _, ids in lookups):
             continue
         for user, ids in lookups:
             with graph.inserting_before(user):
-                new = graph.call_function(EMBEDDING, (ids, node.args[0], a["dim0"], a["world_size"], a["group_name"],
-                                                      a["reduce_group_name"], count_group_name, a["param"], a["dtype"],
-                                                      a["reduce_dtype"]))  # fmt: skip
+                new = graph.call_function(EMBEDDING, (ids, node.args[0], *plan_index(node)))
             new.meta = dict(user.meta)
             user.replace_all_uses_with(new)
             graph.erase_node(user)
         graph.erase_node(node)
-        sharded.append(a["param"])
+        sharded.append(p.fqn)
     graph.lint()
     return Recorded(gm, tuple(sharded))

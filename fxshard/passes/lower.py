@@ -10,21 +10,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.passes.markers import is_all_reduce_grad, is_reduce, is_replicate, is_unshard
-from fxshard.runtime import compat
+from fxshard.passes.markers import is_all_reduce_grad, is_reduce, is_replicate, is_unshard, param_of, plan_index
+from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
 
 COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
 LOWERED = "fxshard_lowered"  # node.meta key on every node lowering inserts
 PARAM = "fxshard_param"  # node.meta key: the parameter whose marker a lowered node replaces
-
-
-def op_arguments(node: fx.Node) -> dict[str, Any]:
-    """A marker node's arguments by schema name, positional or keyword."""
-    schema = node.target._schema
-    values = dict(zip((a.name for a in schema.arguments), node.args))
-    values.update(node.kwargs)
-    return values
 
 
 @dataclass(frozen=True)
@@ -39,27 +31,26 @@ def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
     plan = []
     for node in gm.graph.nodes:
         if is_unshard(node):
-            a = op_arguments(node)
-            fn = functools.partial(
-                gather_full, dim0=a["dim0"], world_size=a["world_size"], group_name=a["group_name"], dtype=a["dtype"]
-            )
+            p = param_of(node)
+            fn = functools.partial(gather_full, dim0=p.dim0, world_size=p.world_size, group_name=p.group_name,
+                                   dtype=p.dtype)  # fmt: skip
             plan.append(Lowering(node, fn))
         elif is_reduce(node):
-            a = op_arguments(node)
+            p = param_of(node)
             fn = functools.partial(
-                reduce_to_shard, local_rows=a["local_rows"], world_size=a["world_size"],
-                group_name=a["group_name"], reduce_dtype=a["reduce_dtype"], out_dtype=a["out_dtype"],
+                reduce_to_shard, local_rows=plans.local_rows(*plan_index(node)), world_size=p.world_size,
+                group_name=p.reduce_group_name, reduce_dtype=p.reduce_dtype, out_dtype=p.shard_dtype,
             )  # fmt: skip
             plan.append(Lowering(node, fn))
         elif is_replicate(node):  # a cast at most: world size 1 gathers nothing
-            a = op_arguments(node)
-            fn = functools.partial(gather_full, dim0=1, world_size=1, group_name=a["group_name"], dtype=a["dtype"])
+            p = param_of(node)
+            fn = functools.partial(gather_full, dim0=1, world_size=1, group_name=p.group_name, dtype=p.dtype)
             plan.append(Lowering(node, fn))
         elif is_all_reduce_grad(node):
-            a = op_arguments(node)
+            p = param_of(node)
             fn = functools.partial(
-                reduce_replicated, world_size=a["world_size"], group_name=a["group_name"],
-                reduce_dtype=a["reduce_dtype"], out_dtype=a["out_dtype"],
+                reduce_replicated, world_size=p.world_size, group_name=p.reduce_group_name,
+                reduce_dtype=p.reduce_dtype, out_dtype=p.shard_dtype,
             )  # fmt: skip
             plan.append(Lowering(node, fn))
     return tuple(plan)
@@ -91,7 +82,7 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
                 new = graph.node_copy(sub, lambda n: env[n])
                 new.meta = {k: node.meta[k] for k in COPIED_META if k in node.meta}
                 new.meta[LOWERED] = True  # what schedule_collectives may move
-                new.meta[PARAM] = op_arguments(node)["param"]  # names the buffer in the static buffer plan
+                new.meta[PARAM] = param_of(node).fqn  # names the buffer in the static buffer plan
                 new.meta["val"] = fake_value(new.target, new.args, new.kwargs, fake_mode)
                 env[sub] = new
     node.replace_all_uses_with(result)

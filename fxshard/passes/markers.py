@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.runtime import compat
-from fxshard.runtime.ops import ALL_REDUCE_GRAD, REDUCE_GRAD, REPLICATE, UNSHARD
-from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD, param_name
+from fxshard.runtime import compat, plans
+from fxshard.runtime.embedding import EMBEDDING
+from fxshard.runtime.ops import ALL_REDUCE_GRAD, REDUCE_GRAD, REPLICATE, SYNC, UNSHARD
+from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD
 
 # Dtype casts count as views here: they only change how the full weight is read.
 _CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
@@ -32,6 +33,51 @@ def is_all_reduce_grad(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (ALL_REDUCE_GRAD, torch.ops.fxshard.all_reduce_grad)
 
 
+def is_embedding(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (EMBEDDING, torch.ops.fxshard.embedding)
+
+
+# The ops that name a parameter's plan, by the number of tensors before
+# their (plan, index) (see [Note: markers name the plan]).
+_NAMING = {
+    **dict.fromkeys(("unshard", "replicate", "reduce_grad", "all_reduce_grad", "accumulate_grad",
+                     "take_accumulated", "seq_gather"), 1),
+    **dict.fromkeys(("embedding", "embedding_backward", "seq_grad"), 2),
+}  # fmt: skip
+
+
+def _tensors_before_plan(node: fx.Node) -> int | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    namespace, _, name = packet._qualified_op_name.partition("::")
+    return _NAMING.get(name) if namespace == "fxshard" else None
+
+
+def plan_index(node: fx.Node) -> tuple[int, int]:
+    """A marker's (plan, index): the parameter's name in graphs."""
+    tensors = _tensors_before_plan(node)
+    if tensors is None:
+        raise ValueError(f"fxshard: {node.format_node()} names no parameter")
+    return node.args[tensors], node.args[tensors + 1]
+
+
+def param_of(node: fx.Node) -> plans.ParamPlan:
+    """The plan of the parameter a marker reads or reduces."""
+    return plans.param(*plan_index(node))
+
+
+def named_param(node: fx.Node) -> str | None:
+    """The name of the parameter a node's op names, if it is a marker."""
+    return param_of(node).fqn if _tensors_before_plan(node) is not None else None
+
+
+def phase_of(node: fx.Node) -> int:
+    """The phase of a read (see [Note: accumulation without sync] in fxshard/runtime/ops.py)."""
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("phase", SYNC)
+
+
 def is_seq_gather(node: fx.Node) -> bool:
     """A sequenced read (see [Note: sequenced reads]): the runtime gathers."""
     return node.op == "call_function" and node.target in (SEQ_GATHER, torch.ops.fxshard.seq_gather)
@@ -39,12 +85,6 @@ def is_seq_gather(node: fx.Node) -> bool:
 
 def is_seq_grad(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (SEQ_GRAD, torch.ops.fxshard.seq_grad)
-
-
-def seq_param(node: fx.Node) -> str:
-    """The parameter a sequenced read or gradient belongs to."""
-    sequencer, index = (node.args[1], node.args[2]) if is_seq_gather(node) else (node.args[2], node.args[3])
-    return param_name(sequencer, index)
 
 
 def is_reduce(node: fx.Node) -> bool:

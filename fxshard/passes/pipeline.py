@@ -39,8 +39,8 @@ from fxshard.passes.buffers import BufferPlan, plan_buffers
 from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
-from fxshard.passes.lower import lower_collectives_pass, op_arguments
-from fxshard.passes.markers import full_weight_views, is_unshard
+from fxshard.passes.lower import lower_collectives_pass
+from fxshard.passes.markers import full_weight_views, is_unshard, param_of
 from fxshard.passes.memory import GraphPeak, graph_peak, held_inputs, load_estimates, save_estimates
 from fxshard.passes.outline import (
     OutlineRecord,
@@ -53,6 +53,7 @@ from fxshard.passes.runner import GraphPass, run_passes
 from fxshard.passes.schedule import Schedule, schedule_collectives_pass
 from fxshard.passes.signature import collective_lines
 from fxshard.passes.tagging import tag_unshard_pass
+from fxshard.passes.units import form_units
 from fxshard.runtime import compat
 from fxshard.runtime.rank_checks import GraphAgreement
 from fxshard.runtime.units import Units
@@ -74,12 +75,13 @@ class BackendSpec:
     debug_dir: str | None
     unit_bytes: int = 256 * 2**20  # prefetch units: about this many bytes of gathered weights
     prefetch: int = 1  # units gathered ahead of the one computing; 0 waits in place
-    # The gloo group on which sharded embedding lookups compare token counts
-    # ("": a fake group, assume equal); None gathers embedding tables like any weight.
-    embedding_count_group: str | None = None
+    # Embedding lookups read only the rank's rows (see [Note: sharded lookups]);
+    # False gathers embedding tables like any weight.
+    sharded_embeddings: bool = False
     outline_blocks: bool = False  # compile each repeated block once (see [Note: outlined blocks])
     reduces_in_flight: int = 1  # gradient reduce-scatters running at once (see [Note: prefetch by units])
     params: str = ""  # the parameters' placements, reduces and lifetimes, as formatted for the summary
+    explicit_units: tuple[tuple[str, ...], ...] = ()  # the user's units= groups, by parameter name
 
 
 @dataclass
@@ -208,17 +210,18 @@ class FXShardBackend:
         if self.spec.debug_dir:
             dumper = Dumper(Path(self.spec.debug_dir) / f"rank{self.spec.rank}" / f"graph{record.index}")
         captured = [GraphPass("dedupe_unshard", dedupe_unshard_pass)]
-        if self.spec.embedding_count_group is not None:
-            shard_lookups = functools.partial(shard_embedding_pass, count_group_name=self.spec.embedding_count_group)
-            captured.append(GraphPass("shard_embedding", shard_lookups))
+        if self.spec.sharded_embeddings:
+            captured.append(GraphPass("shard_embedding", shard_embedding_pass))
         if self.spec.outline_blocks:
             captured.append(GraphPass("outline_blocks", outline_blocks_pass))
         record.captured, records = run_passes(gm, example_inputs, captured, phase="captured", dumper=dumper)
         record.sharded_lookups = records.get("shard_embedding", ())
         record.outline = records.get("outline_blocks", record.outline)
         if self.units is not None:
-            first_use = [op_arguments(n)["param"] for n in record.captured.graph.nodes if is_unshard(n)]
-            self.units.assign(first_use, self.spec.unit_bytes, blocks=record.outline.weights)
+            if not self.units.assigned:  # from the first graph (see [Note: units and flat shards])
+                first_use = [param_of(n).fqn for n in record.captured.graph.nodes if is_unshard(n)]
+                self.units.form(form_units(self.units.params, first_use, self.spec.unit_bytes,
+                                           self.spec.explicit_units, record.outline.weights))  # fmt: skip
             record.units = format_units(self.units)
         units = [u.names for u in self.units.units] if self.units is not None else []
         record.collectives = collective_lines(record.captured, units)
@@ -315,10 +318,7 @@ class FXShardBackend:
         # nodes that produced them, so names tell what the forward saved.
         if phase == "forward":
             record.full_weights_in_forward = {
-                v.name: op_arguments(n)["param"]
-                for n in gm.graph.nodes
-                if is_unshard(n)
-                for v in full_weight_views(n, set())
+                v.name: param_of(n).fqn for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())
             }
         elif phase == "backward":
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxshard.passes.lower import op_arguments
 from fxshard.passes.markers import (
     is_all_reduce_grad,
     is_reduce,
@@ -16,7 +15,7 @@ from fxshard.passes.markers import (
     is_seq_grad,
     is_unshard,
     nbytes,
-    seq_param,
+    param_of,
 )
 
 
@@ -88,16 +87,16 @@ def graph_report(gm: fx.GraphModule, phase: str) -> GraphReport:
         if is_unshard(node):
             users = sorted(node.users, key=lambda u: index.get(u, len(order)))
             first, last = (users[0].name, users[-1].name) if users else ("-", "-")
-            sites.append(CollectiveSite("unshard", op_arguments(node)["param"], node.name, index[node],
+            sites.append(CollectiveSite("unshard", param_of(node).fqn, node.name, index[node],
                                         node.args[0].name, first, last, nbytes(node)))  # fmt: skip
         elif is_seq_gather(node) or is_seq_grad(node):
             kind = "seq_read" if is_seq_gather(node) else "seq_grad"
-            sites.append(CollectiveSite(kind, seq_param(node), node.name, index[node], "-", "-", "-", nbytes(node)))
+            sites.append(CollectiveSite(kind, param_of(node).fqn, node.name, index[node], "-", "-", "-", nbytes(node)))
         elif is_replicate(node):
-            sites.append(CollectiveSite("replica", op_arguments(node)["param"], node.name, index[node],
+            sites.append(CollectiveSite("replica", param_of(node).fqn, node.name, index[node],
                                         node.args[0].name, "-", "-", nbytes(node)))  # fmt: skip
         elif is_reduce(node) or is_all_reduce_grad(node):
             grad = node.args[0]
-            sites.append(CollectiveSite("reduce" if is_reduce(node) else "allreduce", op_arguments(node)["param"], node.name, index[node],
+            sites.append(CollectiveSite("reduce" if is_reduce(node) else "allreduce", param_of(node).fqn, node.name, index[node],
                                         grad.name, "-", "-", nbytes(grad)))  # fmt: skip
     return GraphReport(phase, len(order), tuple(sites))

@@ -8,9 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import example_value, is_replicate, is_unshard
-from fxshard.runtime.embedding import EMBEDDING
+from fxshard.passes.markers import example_value, is_embedding, is_replicate, is_unshard, param_of, phase_of
 
 # See [Note: accumulation without sync] in fxshard/runtime/ops.py.
 _PHASES = {0: "", 1: " (accumulated: no collective)", 2: " (with the accumulated sum)"}
@@ -22,23 +20,23 @@ def _dtype(value: object) -> str:
 
 def _line(node: fx.Node) -> str | None:
     if is_unshard(node):
-        a = op_arguments(node)
+        p = param_of(node)
         val = example_value(node)
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
-        gradient = f", gradient reduce-scattered in {_dtype(a['reduce_dtype'])}" if reduced else ", no gradient"
-        gradient += _PHASES[a.get("phase", 0)] if reduced else ""
-        return f"all-gather of {a['param']!r} {shape} in {_dtype(a['dtype'])}{gradient}"
+        gradient = f", gradient reduce-scattered in {_dtype(p.reduce_dtype)}" if reduced else ", no gradient"
+        gradient += _PHASES[phase_of(node)] if reduced else ""
+        return f"all-gather of {p.fqn!r} {shape} in {_dtype(p.dtype)}{gradient}"
     if is_replicate(node):
-        a = op_arguments(node)
+        p = param_of(node)
         val = example_value(node)
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
-        gradient = f", gradient all-reduced in {_dtype(a['reduce_dtype'])}" if reduced else ", no gradient"
-        gradient += _PHASES[a.get("phase", 0)] if reduced else ""
-        return f"replicated {a['param']!r} in {_dtype(a['dtype'])}{gradient}"
-    if node.op == "call_function" and node.target is EMBEDDING:
-        a = op_arguments(node)
-        return f"sharded lookup in {a['param']!r} (dim0 {a['dim0']}) in {_dtype(a['dtype'])}"
+        gradient = f", gradient all-reduced in {_dtype(p.reduce_dtype)}" if reduced else ", no gradient"
+        gradient += _PHASES[phase_of(node)] if reduced else ""
+        return f"replicated {p.fqn!r} in {_dtype(p.dtype)}{gradient}"
+    if is_embedding(node):
+        p = param_of(node)
+        return f"sharded lookup in {p.fqn!r} (dim0 {p.dim0}) in {_dtype(p.dtype)}"
     return None
 
 

@@ -26,8 +26,7 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxshard.passes.lower import op_arguments
-from fxshard.passes.markers import full_weight_views, is_unshard
+from fxshard.passes.markers import full_weight_views, is_unshard, param_of
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -51,9 +50,9 @@ def tag_unshard_graph(
     unshards = [n for n in graph.nodes if is_unshard(n) and n not in in_backward]
     keep: Collection[str] = ()
     if unit_of is not None and policy == CheckpointPolicy.MUST_RECOMPUTE and unshards and in_backward:
-        keep = unit_of(op_arguments(unshards[-1])["param"])
+        keep = unit_of(param_of(unshards[-1]).fqn)
     for node in unshards:
-        tag = CheckpointPolicy.MUST_SAVE if op_arguments(node)["param"] in keep else policy
+        tag = CheckpointPolicy.MUST_SAVE if param_of(node).fqn in keep else policy
         for chain_node in full_weight_views(node, exclude=in_backward):
             chain_node.meta["recompute"] = tag
     return len(unshards)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fxshard.runtime import compat
+from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import gather_full, reduce_to_shard, shard_range
 
 _funcol = torch.ops._c10d_functional
@@ -90,87 +90,65 @@ def _local_ids(
 
 
 @torch.library.custom_op("fxshard::embedding", mutates_args=())
-def embedding(
-    indices: torch.Tensor,
-    shard: torch.Tensor,
-    dim0: int,
-    world_size: int,
-    group_name: str,
-    reduce_group_name: str,
-    count_group_name: str,
-    param: str,
-    dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """``F.embedding(indices, full)`` where ``full`` is ``param`` gathered
-    from ``shard`` in ``dtype``, reading only this rank's rows (see the Note)."""
-    _check_ids(indices, dim0, param)
-    if not _same_count(indices.numel(), world_size, count_group_name):
+def embedding(indices: torch.Tensor, shard: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+    """``F.embedding(indices, full)`` where ``full`` is parameter ``index`` of
+    ``plan`` gathered from ``shard``, reading only this rank's rows (see the Note)."""
+    p, count_group = plans.param(plan, index), plans.table(plan).count_group_name
+    _check_ids(indices, p.dim0, p.fqn)
+    if not _same_count(indices.numel(), p.world_size, count_group):
         stats["gathered"] += 1
-        return F.embedding(indices, gather_full(shard, dim0, world_size, group_name, dtype))
+        return F.embedding(indices, gather_full(shard, p.dim0, p.world_size, p.group_name, p.dtype))
     stats["sharded"] += 1
-    ids, hit, rows = _local_ids(indices, dim0, world_size, reduce_group_name)
-    out_dtype = dtype or shard.dtype
+    ids, hit, rows = _local_ids(indices, p.dim0, p.world_size, p.reduce_group_name)
+    out_dtype = p.dtype or shard.dtype
     if rows:
         found = F.embedding(ids, shard).to(out_dtype).masked_fill(~hit.unsqueeze(1), 0)
     else:
         found = shard.new_zeros((ids.shape[0], shard.shape[1]), dtype=out_dtype)
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(found, "sum", world_size, reduce_group_name))
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(found, "sum", p.world_size, p.reduce_group_name))
     return out.view(*indices.shape, shard.shape[1])
 
 
 @embedding.register_fake
-def _(indices, shard, dim0, world_size, group_name, reduce_group_name, count_group_name, param, dtype, reduce_dtype):
-    return shard.new_empty((*indices.shape, shard.shape[1]), dtype=dtype or shard.dtype)
+def _(indices, shard, plan, index):
+    return shard.new_empty((*indices.shape, shard.shape[1]), dtype=plans.param(plan, index).dtype or shard.dtype)
 
 
 @torch.library.custom_op("fxshard::embedding_backward", mutates_args=())
-def embedding_backward(
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    local_rows: int,
-    dim0: int,
-    world_size: int,
-    group_name: str,
-    reduce_group_name: str,
-    count_group_name: str,
-    reduce_dtype: torch.dtype | None,
-    shard_dtype: torch.dtype,
-) -> torch.Tensor:
+def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """The gradient of ``fxshard::embedding`` with respect to the shard,
-    averaged over the ranks, in ``shard_dtype``."""
+    averaged over the ranks, in the shard's dtype."""
+    p, count_group = plans.param(plan, index), plans.table(plan).count_group_name
+    local_rows = plans.local_rows(plan, index)
     dim = grad.shape[-1]
-    acc = reduce_dtype or grad.dtype
+    acc = p.reduce_dtype or grad.dtype
     grad = grad.reshape(-1, dim)
-    if not _same_count(indices.numel(), world_size, count_group_name):
+    if not _same_count(indices.numel(), p.world_size, count_group):
         stats["gathered"] += 1
-        full = torch.ops.aten.embedding_dense_backward(grad.to(acc), indices.reshape(-1), dim0, -1, False)
-        return reduce_to_shard(full, local_rows, world_size, reduce_group_name, reduce_dtype, shard_dtype)
+        full = torch.ops.aten.embedding_dense_backward(grad.to(acc), indices.reshape(-1), p.dim0, -1, False)
+        return reduce_to_shard(full, local_rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype)
     stats["sharded"] += 1
-    ids, hit, rows = _local_ids(indices, dim0, world_size, group_name)
-    grads = _all_gather(grad, world_size, group_name).to(acc).masked_fill(~hit.unsqueeze(1), 0)
+    ids, hit, rows = _local_ids(indices, p.dim0, p.world_size, p.group_name)
+    grads = _all_gather(grad, p.world_size, p.group_name).to(acc).masked_fill(~hit.unsqueeze(1), 0)
     out = grads.new_zeros((local_rows, dim))
     if rows:
         out.index_add_(0, ids, grads)
-    return out.div_(world_size).to(shard_dtype)
+    return out.div_(p.world_size).to(p.shard_dtype)
 
 
 @embedding_backward.register_fake
-def _(grad, indices, local_rows, dim0, world_size, group_name, reduce_group_name, count_group_name, reduce_dtype,
-      shard_dtype):  # fmt: skip
-    return grad.new_empty((local_rows, grad.shape[-1]), dtype=shard_dtype)
+def _(grad, indices, plan, index):
+    return grad.new_empty((plans.local_rows(plan, index), grad.shape[-1]), dtype=plans.param(plan, index).shard_dtype)
 
 
 def _setup(ctx, inputs, output):
-    indices, shard, dim0, world_size, group_name, reduce_group_name, count_group_name, _, _, reduce_dtype = inputs
+    indices, _, ctx.plan, ctx.index = inputs
     ctx.save_for_backward(indices)
-    ctx.spec = (shard.shape[0], dim0, world_size, group_name, reduce_group_name, count_group_name, reduce_dtype,
-                shard.dtype)  # fmt: skip
 
 
 def _backward(ctx, grad):
     (indices,) = ctx.saved_tensors
-    return (None, embedding_backward(grad, indices, *ctx.spec), None, None, None, None, None, None, None, None)
+    return None, embedding_backward(grad, indices, ctx.plan, ctx.index), None, None
 
 
 embedding.register_autograd(_backward, setup_context=_setup)

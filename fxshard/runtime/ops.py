@@ -3,8 +3,8 @@
 [Note: unshard markers]
 Reading a sharded parameter calls ``fxshard::unshard`` on the rank's local
 shard. The op is opaque to dynamo and AOTAutograd, so it survives capture as
-one node per read, carrying everything the passes need in its arguments: the
-full dim-0 size, the group, the parameter's name and the dtypes. Its autograd
+one node per read, naming the parameter's plan by two integers (see [Note:
+markers name the plan] in fxshard/runtime/plans.py). Its autograd
 formula is ``fxshard::reduce_grad``, so the backward graph carries one reduce
 marker per gathered parameter. The lowering pass replaces both markers with
 ``_c10d_functional`` collectives (see [Note: one definition of gather and
@@ -13,13 +13,12 @@ reduce]); run eagerly, the markers run those same collectives directly.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable
 
 import torch
 
-from fxshard.runtime import compat
+from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
 from fxshard.runtime.rank_checks import check_collective
 
@@ -49,13 +48,11 @@ SYNC, ACCUMULATE, FLUSH = 0, 1, 2
 
 
 class GradStore:
-    """One model's full gradients accumulated without sync, by plan index (see the Note)."""
+    """One model's full gradients accumulated without sync, by plan index (see the Note); found by the plan's id."""
 
-    _ids = itertools.count()
-
-    def __init__(self, reduce_leftover: Callable[[int, torch.Tensor], None], after_add: Callable[[], None]) -> None:
-        self.id = next(self._ids)
-        _STORES[self.id] = self
+    def __init__(self, plan: int, reduce_leftover: Callable[[int, torch.Tensor], None],
+                 after_add: Callable[[], None]) -> None:  # fmt: skip
+        _STORES[plan] = self  # the markers of the model's reads name its plan
         self.grads: dict[int, torch.Tensor] = {}
         self._reduce_leftover = reduce_leftover  # (plan index, full gradient): reduce it into .grad
         self._after_add = after_add  # called when a backward that added gradients ends
@@ -97,169 +94,136 @@ def _no_alias(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("fxshard::unshard", mutates_args=())
-def unshard(
-    shard: torch.Tensor,
-    dim0: int,
-    world_size: int,
-    group_name: str,
-    reduce_group_name: str,
-    param: str,
-    dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    phase: int = SYNC,
-    store: int = -1,
-    index: int = -1,
-) -> torch.Tensor:
-    """All-gather ``shard`` into the full parameter ``param`` (see the Note).
-    The gradient is reduced on ``reduce_group_name``: the same ranks as
-    ``group_name``, another communicator, so that reduces overlap gathers.
-    ``phase``, ``store`` and ``index``: see [Note: accumulation without sync]."""
-    if world_size > 1:
-        check_collective(group_name, lambda: f"all-gather of {param!r} ({dim0} rows) in {dtype or shard.dtype}")
-    return _no_alias(gather_full(shard, dim0, world_size, group_name, dtype), shard)
+def unshard(shard: torch.Tensor, plan: int, index: int, phase: int = SYNC) -> torch.Tensor:
+    """All-gather ``shard`` into the full parameter ``index`` of ``plan``
+    (see the Note, and [Note: markers name the plan] in
+    fxshard/runtime/plans.py). ``phase``: see [Note: accumulation without sync]."""
+    p = plans.param(plan, index)
+    if p.world_size > 1:
+        check_collective(p.group_name, lambda: f"all-gather of {p.fqn!r} ({p.dim0} rows) in {p.dtype or shard.dtype}")
+    return _no_alias(gather_full(shard, p.dim0, p.world_size, p.group_name, p.dtype), shard)
 
 
 @unshard.register_fake
-def _unshard_fake(shard, dim0, world_size, group_name, reduce_group_name, param, dtype, reduce_dtype, *phase):
-    return shard.new_empty((dim0, *shard.shape[1:]), dtype=dtype or shard.dtype)
+def _unshard_fake(shard, plan, index, phase=SYNC):
+    p = plans.param(plan, index)
+    return shard.new_empty((p.dim0, *shard.shape[1:]), dtype=p.dtype or shard.dtype)
 
 
 @torch.library.custom_op("fxshard::reduce_grad", mutates_args=())
-def reduce_grad(
-    grad: torch.Tensor,
-    local_rows: int,
-    world_size: int,
-    group_name: str,
-    param: str,
-    reduce_dtype: torch.dtype | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Reduce-scatter the full gradient of ``param`` to this rank's rows, averaged."""
-    if world_size > 1:
-        check_collective(group_name, lambda: f"reduce-scatter of the gradient of {param!r} {tuple(grad.shape)}")
-    return _no_alias(reduce_to_shard(grad, local_rows, world_size, group_name, reduce_dtype, out_dtype), grad)
+def reduce_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+    """Reduce-scatter the full gradient of parameter ``index`` of ``plan`` to
+    this rank's rows, averaged, on its reduce group: the gather group's
+    ranks on another communicator, so that reduces overlap gathers."""
+    p, rows = plans.param(plan, index), plans.local_rows(plan, index)
+    if p.world_size > 1:
+        check_collective(p.reduce_group_name,
+                         lambda: f"reduce-scatter of the gradient of {p.fqn!r} {tuple(grad.shape)}")  # fmt: skip
+    out = reduce_to_shard(grad, rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype)
+    return _no_alias(out, grad)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad, local_rows, world_size, group_name, param, reduce_dtype, out_dtype):
-    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+def _reduce_grad_fake(grad, plan, index):
+    p = plans.param(plan, index)
+    return grad.new_empty((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
+
+
+def accumulated_dtype(p: plans.ParamPlan) -> torch.dtype:
+    """The dtype gradients accumulate in without sync: the reduce dtype."""
+    return p.reduce_dtype or p.dtype or p.shard_dtype
 
 
 @torch.library.custom_op("fxshard::accumulate_grad", mutates_args=())
-def accumulate_grad(
-    grad: torch.Tensor, store: int, index: int, local_rows: int, reduce_dtype: torch.dtype, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Add the full gradient of parameter ``index`` into ``store``, unreduced;
-    the shard's gradient from this call is zero (see [Note: accumulation without sync])."""
-    _STORES[store].add(index, grad, reduce_dtype)
-    return grad.new_zeros((local_rows, *grad.shape[1:]), dtype=out_dtype)
+def accumulate_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+    """Add the full gradient of parameter ``index`` into ``plan``'s store,
+    unreduced; the local gradient from this call is zero (see [Note:
+    accumulation without sync])."""
+    p = plans.param(plan, index)
+    _STORES[plan].add(index, grad, accumulated_dtype(p))
+    return grad.new_zeros((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
 @accumulate_grad.register_fake
-def _accumulate_grad_fake(grad, store, index, local_rows, reduce_dtype, out_dtype):
-    return grad.new_empty((local_rows, *grad.shape[1:]), dtype=out_dtype)
+def _accumulate_grad_fake(grad, plan, index):
+    p = plans.param(plan, index)
+    return grad.new_empty((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
 @torch.library.custom_op("fxshard::take_accumulated", mutates_args=())
-def take_accumulated(grad: torch.Tensor, store: int, index: int, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """``grad`` plus what ``store`` accumulated for parameter ``index``, in
-    ``reduce_dtype``; the stored sum is released (see [Note: accumulation without sync])."""
-    return _STORES[store].take(index, grad, reduce_dtype)
+def take_accumulated(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+    """``grad`` plus what ``plan``'s store accumulated for parameter
+    ``index``, in the reduce dtype; the stored sum is released (see [Note:
+    accumulation without sync])."""
+    return _STORES[plan].take(index, grad, accumulated_dtype(plans.param(plan, index)))
 
 
 @take_accumulated.register_fake
-def _take_accumulated_fake(grad, store, index, reduce_dtype):
-    return grad.new_empty(grad.shape, dtype=reduce_dtype)
+def _take_accumulated_fake(grad, plan, index):
+    return grad.new_empty(grad.shape, dtype=accumulated_dtype(plans.param(plan, index)))
 
 
-def _phase_backward(grad: torch.Tensor, phase: tuple, local_rows: int, out_dtype: torch.dtype,
-                    reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+def _phase_backward(grad: torch.Tensor, plan: int, index: int, phase: int,
+                    reduce: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:  # fmt: skip
     """The gradient of a read in its phase: reduced, accumulated, or reduced with what was accumulated."""
-    kind, store, index, reduce_dtype = phase
-    if kind == ACCUMULATE:
-        return accumulate_grad(grad, store, index, local_rows, reduce_dtype, out_dtype)
-    if kind == FLUSH:
-        grad = take_accumulated(grad, store, index, reduce_dtype)
-    return reduce(grad)
+    if phase == ACCUMULATE:
+        return accumulate_grad(grad, plan, index)
+    if phase == FLUSH:
+        grad = take_accumulated(grad, plan, index)
+    return reduce(grad, plan, index)
 
 
-def _unshard_setup(ctx, inputs, output):
-    shard, _, world_size, _, reduce_group_name, param, _, reduce_dtype, *phase = inputs
-    ctx.spec = (shard.shape[0], world_size, reduce_group_name, param, reduce_dtype, shard.dtype)
-    kind, store, index = phase or (SYNC, -1, -1)
-    ctx.phase = (kind, store, index, reduce_dtype or output.dtype)
+def _marker_setup(ctx, inputs, output):
+    _, ctx.plan, ctx.index, *phase = inputs
+    ctx.phase = phase[0] if phase else SYNC
 
 
 def _unshard_backward(ctx, grad):
-    local_rows, out_dtype = ctx.spec[0], ctx.spec[-1]
-    out = _phase_backward(grad.contiguous(), ctx.phase, local_rows, out_dtype, lambda g: reduce_grad(g, *ctx.spec))
-    return (out, *[None] * 10)
+    return _phase_backward(grad.contiguous(), ctx.plan, ctx.index, ctx.phase, reduce_grad), None, None, None
 
 
-unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
+unshard.register_autograd(_unshard_backward, setup_context=_marker_setup)
 
 
 @torch.library.custom_op("fxshard::replicate", mutates_args=())
-def replicate(
-    local: torch.Tensor,
-    world_size: int,
-    group_name: str,
-    param: str,
-    dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    phase: int = SYNC,
-    store: int = -1,
-    index: int = -1,
-) -> torch.Tensor:
-    """The replicated parameter ``param`` in its compute dtype: nothing to
-    gather; its gradient is all-reduced on ``group_name`` (see [Note:
-    replicated parameters] in fxshard/plan.py; ``phase``: [Note: accumulation
-    without sync])."""
-    return _no_alias(gather_full(local, local.shape[0] if local.dim() else 1, 1, group_name, dtype), local)
+def replicate(local: torch.Tensor, plan: int, index: int, phase: int = SYNC) -> torch.Tensor:
+    """The replicated parameter ``index`` of ``plan`` in its compute dtype:
+    nothing to gather; its gradient is all-reduced on its reduce group (see
+    [Note: replicated parameters] in fxshard/plan.py; ``phase``: [Note:
+    accumulation without sync])."""
+    p = plans.param(plan, index)
+    return _no_alias(gather_full(local, local.shape[0] if local.dim() else 1, 1, p.group_name, p.dtype), local)
 
 
 @replicate.register_fake
-def _replicate_fake(local, world_size, group_name, param, dtype, reduce_dtype, *phase):
-    return local.new_empty(local.shape, dtype=dtype or local.dtype)
+def _replicate_fake(local, plan, index, phase=SYNC):
+    return local.new_empty(local.shape, dtype=plans.param(plan, index).dtype or local.dtype)
 
 
 @torch.library.custom_op("fxshard::all_reduce_grad", mutates_args=())
-def all_reduce_grad(
-    grad: torch.Tensor,
-    world_size: int,
-    group_name: str,
-    param: str,
-    reduce_dtype: torch.dtype | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """All-reduce the gradient of the replicated ``param``, averaged."""
-    if world_size > 1:
-        check_collective(group_name, lambda: f"all-reduce of the gradient of {param!r} {tuple(grad.shape)}")
-    return _no_alias(reduce_replicated(grad, world_size, group_name, reduce_dtype, out_dtype), grad)
+def all_reduce_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+    """All-reduce the gradient of the replicated parameter ``index`` of ``plan``, averaged."""
+    p = plans.param(plan, index)
+    if p.world_size > 1:
+        check_collective(p.reduce_group_name,
+                         lambda: f"all-reduce of the gradient of {p.fqn!r} {tuple(grad.shape)}")  # fmt: skip
+    out = reduce_replicated(grad, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype)
+    return _no_alias(out, grad)
 
 
 @all_reduce_grad.register_fake
-def _all_reduce_grad_fake(grad, world_size, group_name, param, reduce_dtype, out_dtype):
-    return grad.new_empty(grad.shape, dtype=out_dtype)
-
-
-def _replicate_setup(ctx, inputs, output):
-    local, world_size, group_name, param, _, reduce_dtype, *phase = inputs
-    ctx.spec = (world_size, group_name, param, reduce_dtype, local.dtype)
-    kind, store, index = phase or (SYNC, -1, -1)
-    ctx.phase = (kind, store, index, reduce_dtype or output.dtype)
-    ctx.rows = local.shape[0] if local.dim() else None
+def _all_reduce_grad_fake(grad, plan, index):
+    return grad.new_empty(grad.shape, dtype=plans.param(plan, index).shard_dtype)
 
 
 def _replicate_backward(ctx, grad):
     grad = grad.contiguous()
-    if ctx.rows is None:  # 0-dimensional: the store keeps it as one row
-        grad = grad.reshape(1)
-    out = _phase_backward(grad, ctx.phase, ctx.rows or 1, ctx.spec[-1], lambda g: all_reduce_grad(g, *ctx.spec))
-    return (out.reshape(()) if ctx.rows is None else out, *[None] * 8)
+    scalar = grad.dim() == 0  # the store keeps a 0-dimensional gradient as one row
+    out = _phase_backward(grad.reshape(1) if scalar else grad, ctx.plan, ctx.index, ctx.phase, all_reduce_grad)
+    return out.reshape(()) if scalar else out, None, None, None
 
 
-replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)
+replicate.register_autograd(_replicate_backward, setup_context=_marker_setup)
 
 UNSHARD = torch.ops.fxshard.unshard.default
 REDUCE_GRAD = torch.ops.fxshard.reduce_grad.default

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxshard.runtime import compat
+from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import Replicas, any_rank, gather_full, reduce_replicated, reduce_to_shard
 
 
@@ -77,22 +77,28 @@ class _Call:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-# Weak: a deleted model's sequencer (and, through its entries, its shards) must go.
+# By plan id. Weak: a deleted model's sequencer (and, through its entries, its shards) must go.
 _SEQUENCERS: weakref.WeakValueDictionary[int, Sequencer] = weakref.WeakValueDictionary()
-_ids = itertools.count()
 
 
 class Sequencer:
     """Issues one model's gathers and reduces in plan order (see the Note)."""
 
     def __init__(
-        self, entries: Sequence[SeqEntry], world_size: int, group_name: str, replicas: Replicas | None = None
+        self,
+        plan: int,
+        entries: Sequence[SeqEntry],
+        world_size: int,
+        group_name: str,
+        replicas: Replicas | None = None,
     ) -> None:
+        """``plan``: the id of the model's plan table, by which the ops of
+        sequenced reads find this sequencer; ``entries`` in its order."""
         self.entries = tuple(entries)
         self.world_size, self.group_name = world_size, group_name
         self.replicas = replicas  # HSDP: gradients are averaged across them too (see [Note: HSDP])
-        self.id = next(_ids)
-        _SEQUENCERS[self.id] = self
+        self.plan = plan
+        _SEQUENCERS[plan] = self
         self._calls = itertools.count()
         self._current: _Call | None = None
         self._pending: dict[int, _Call] = {}  # grad-mode calls whose reduces wait for backward
@@ -221,45 +227,40 @@ class Sequencer:
         e.add_grad(shard)
 
 
-def param_name(sequencer: int, index: int) -> str:
-    return _SEQUENCERS[sequencer].entries[index].name
-
-
 @torch.library.custom_op("fxshard::seq_gather", mutates_args=())
-def seq_gather(
-    anchor: torch.Tensor, sequencer: int, index: int, full_shape: list[int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """The full parameter ``index``, gathered by the sequencer (see the Note)."""
-    return _SEQUENCERS[sequencer].read(int(anchor.item()), index)
+def seq_gather(anchor: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+    """The full parameter ``index`` of ``plan``, gathered by the model's sequencer (see the Note)."""
+    return _SEQUENCERS[plan].read(int(anchor.item()), index)
 
 
 @seq_gather.register_fake
-def _seq_gather_fake(anchor, sequencer, index, full_shape, dtype, device):
-    return torch.empty(full_shape, dtype=dtype, device=device)
+def _seq_gather_fake(anchor, plan, index):
+    p = plans.param(plan, index)
+    return torch.empty(p.shape, dtype=p.dtype or p.shard_dtype, device=p.device)
 
 
 @torch.library.custom_op("fxshard::seq_grad", mutates_args=())
-def seq_grad(grad: torch.Tensor, anchor: torch.Tensor, sequencer: int, index: int) -> torch.Tensor:
+def seq_grad(grad: torch.Tensor, anchor: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """Hand the gradient of a sequenced read to the sequencer; returns the
     anchor's (zero) gradient."""
-    _SEQUENCERS[sequencer].add_grad(int(anchor.item()), index, grad)
+    _SEQUENCERS[plan].add_grad(int(anchor.item()), index, grad)
     return torch.zeros_like(anchor)
 
 
 @seq_grad.register_fake
-def _seq_grad_fake(grad, anchor, sequencer, index):
+def _seq_grad_fake(grad, anchor, plan, index):
     return torch.empty_like(anchor)
 
 
 def _seq_gather_setup(ctx, inputs, output):
-    anchor, sequencer, index, *_ = inputs
+    anchor, plan, index = inputs
     ctx.save_for_backward(anchor)
-    ctx.key = (sequencer, index)
+    ctx.key = (plan, index)
 
 
 def _seq_gather_backward(ctx, grad):
     (anchor,) = ctx.saved_tensors
-    return (seq_grad(grad.contiguous(), anchor, *ctx.key), None, None, None, None, None)
+    return seq_grad(grad.contiguous(), anchor, *ctx.key), None, None
 
 
 seq_gather.register_autograd(_seq_gather_backward, setup_context=_seq_gather_setup)

@@ -211,12 +211,10 @@ class Units:
         world_size: int,
         group_name: str,
         reduce_group_name: str,
-        explicit: Sequence[Sequence[str]] = (),
     ) -> None:
         self.params = {p.fqn: p for p in params}
         self.world_size = world_size
         self.group_name, self.reduce_group_name = group_name, reduce_group_name
-        self.explicit = tuple(tuple(g) for g in explicit)  # fqn groups the user listed as units
         self.units: list[Unit] = []
         self.unit_of: dict[str, tuple[int, int]] = {}  # fqn -> (unit, member)
         self._pending: dict[tuple, tuple] = {}
@@ -241,38 +239,14 @@ class Units:
     def assigned(self) -> bool:
         return bool(self.units)
 
-    def assign(self, first_use: Sequence[str], unit_bytes: int, blocks: Sequence[Sequence[str]] = ()) -> None:
-        """Form the units, once, from the order in which a graph first reads
-        the parameters (``rehome`` moves the shards into their slots later).
-
-        The user's groups come first, each one unit (split where dtypes
-        differ), members in first-use order; then ``blocks``, the weights of
-        each outlined block (see [Note: outlined blocks]), less what the user
-        listed: a block's call needs all of them at once, so a block is never
-        split, and consecutive blocks join into units of about ``unit_bytes``.
-        The rest, in first-use order, fill units of about ``unit_bytes`` of
-        gathered weights; a unit holds one dtype combination. Parameters the
-        graph never reads get no unit.
-        """
-        if self.units or self.world_size == 1:
-            return
-        order = {name: i for i, name in enumerate(first_use)}
-        listed: set[str] = set()
-
-        def take(group: Sequence[str]) -> list[list[ParamInfo]]:
-            """``group``'s members not taken yet, in first-use order, by dtype."""
-            members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
-            listed.update(group)
-            return _split_by_dtype([self.params[n] for n in members])
-
-        groups = [infos for group in self.explicit for infos in take(group)]
-        whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
-        groups.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
-        rest = [[self.params[n]] for n in first_use if n not in listed and n in self.params]
-        groups.extend(_fill(rest, unit_bytes))
-        groups.sort(key=lambda g: order[g[0].fqn])
+    def form(self, groups: Sequence[Sequence[ParamInfo]]) -> None:
+        """Lay out the units that ``groups`` list (``passes/units.py`` forms
+        them: which parameters move together is the passes' decision), once.
+        ``rehome`` moves the shards into their slots later."""
+        if self.units:
+            raise RuntimeError("fxshard: a model's units are formed once")
         for index, infos in enumerate(groups):
-            unit = Unit(index, infos, self.world_size)
+            unit = Unit(index, list(infos), self.world_size)
             self.units.append(unit)
             for j, m in enumerate(unit.members):
                 self.unit_of[m.info.fqn] = (index, j)
@@ -398,35 +372,6 @@ class Units:
         if not self._on_nccl(self.reduce_group_name):
             out.div_(self.world_size)
         return out.to(self.units[unit].shard_dtype)
-
-
-def _gathered_bytes(infos: Sequence[ParamInfo]) -> int:
-    return sum(math.prod(i.shape) * i.gather_dtype.itemsize for i in infos)
-
-
-def _fill(blocks: list[list[ParamInfo]], unit_bytes: int) -> list[list[ParamInfo]]:
-    """Consecutive blocks (each never split; a lone parameter is a block of
-    one) joined into units of about ``unit_bytes``: a unit is closed once it
-    holds ``unit_bytes`` or the next block's dtypes differ."""
-    units: list[list[ParamInfo]] = []
-    for block in blocks:
-        last = units[-1] if units else None
-        if last and _gathered_bytes(last) < unit_bytes and _dtype_key(last[0]) == _dtype_key(block[0]):
-            last.extend(block)
-        else:
-            units.append(list(block))
-    return units
-
-
-def _dtype_key(info: ParamInfo) -> tuple:
-    return (info.shard_dtype, info.gather_dtype, info.reduce_dtype, info.device)
-
-
-def _split_by_dtype(infos: list[ParamInfo]) -> list[list[ParamInfo]]:
-    groups: dict[tuple, list[ParamInfo]] = {}
-    for info in infos:
-        groups.setdefault(_dtype_key(info), []).append(info)
-    return list(groups.values())
 
 
 def units_of(units_id: int) -> Units:

@@ -1,0 +1,75 @@
+"""Which parameters move together: forming the units (see [Note: units and
+flat shards] in fxshard/runtime/units.py for how a unit moves)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from fxshard.runtime.units import ParamInfo
+
+
+def form_units(
+    params: Mapping[str, ParamInfo],
+    first_use: Sequence[str],
+    unit_bytes: int,
+    explicit: Sequence[Sequence[str]] = (),
+    blocks: Sequence[Sequence[str]] = (),
+) -> list[list[ParamInfo]]:
+    """The units of the parameters in ``params`` (by name), from the order
+    in which a graph first reads them.
+
+    ``explicit``, the user's groups, come first, each one unit (split where
+    dtypes differ), members in first-use order; then ``blocks``, the weights
+    of each outlined block (see [Note: outlined blocks]), less what the user
+    listed: a block's call needs all of them at once, so a block is never
+    split, and consecutive blocks join into units of about ``unit_bytes``.
+    The rest, in first-use order, fill units of about ``unit_bytes`` of
+    gathered weights; a unit holds one dtype combination. Parameters the
+    graph never reads get no unit. Units are in first-use order.
+    """
+    order = {name: i for i, name in enumerate(first_use)}
+    listed: set[str] = set()
+
+    def take(group: Sequence[str]) -> list[list[ParamInfo]]:
+        """``group``'s members not taken yet, in first-use order, by dtype."""
+        members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
+        listed.update(group)
+        return _split_by_dtype([params[n] for n in members])
+
+    groups = [infos for group in explicit for infos in take(group)]
+    whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
+    groups.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
+    rest = [[params[n]] for n in first_use if n not in listed and n in params]
+    groups.extend(_fill(rest, unit_bytes))
+    groups.sort(key=lambda g: order[g[0].fqn])
+    return groups
+
+
+def _gathered_bytes(infos: Sequence[ParamInfo]) -> int:
+    return sum(math.prod(i.shape) * i.gather_dtype.itemsize for i in infos)
+
+
+def _fill(blocks: list[list[ParamInfo]], unit_bytes: int) -> list[list[ParamInfo]]:
+    """Consecutive blocks (each never split; a lone parameter is a block of
+    one) joined into units of about ``unit_bytes``: a unit is closed once it
+    holds ``unit_bytes`` or the next block's dtypes differ."""
+    units: list[list[ParamInfo]] = []
+    for block in blocks:
+        last = units[-1] if units else None
+        if last and _gathered_bytes(last) < unit_bytes and _dtype_key(last[0]) == _dtype_key(block[0]):
+            last.extend(block)
+        else:
+            units.append(list(block))
+    return units
+
+
+def _dtype_key(info: ParamInfo) -> tuple:
+    return (info.shard_dtype, info.gather_dtype, info.reduce_dtype, info.device)
+
+
+def _split_by_dtype(infos: list[ParamInfo]) -> list[list[ParamInfo]]:
+    groups: dict[tuple, list[ParamInfo]] = {}
+    for info in infos:
+        groups.setdefault(_dtype_key(info), []).append(info)
+    return list(groups.values())

@@ -1,0 +1,139 @@
+"""The plan's types, and the table by which compiled graphs name it.
+
+``fxshard.compile`` builds one ``ParamPlan`` per distinct parameter
+(``fxshard/plan.py``); sharding registers them here as one ``PlanTable``.
+
+[Note: markers name the plan]
+A marker op in a graph (``fxshard::unshard`` and its kin) carries two
+integers: the table's id and the parameter's index in it. Passes and the
+ops' eager and fake implementations look every fact up there (``param``),
+so a fact has one home and a new plan field reaches every consumer without
+a schema change. An id is a hash of the table's content, not a process
+counter: torch caches compiled graphs on disk with the ids baked in, and a
+hash makes "same id" mean "same facts" in any process (a live table of the
+same content takes the next free id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+
+class Placement(enum.Enum):
+    SHARD = "Shard(0)"
+    REPLICATE = "Replicate()"
+
+
+class Reduce(enum.Enum):
+    """What happens to the parameter's gradient."""
+
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_REDUCE = "all-reduce"
+    NONE = "none"  # frozen at compile: no gradient (see [Note: replicated parameters])
+
+
+class Lifetime(enum.Enum):
+    """How long a gathered value lives."""
+
+    LAST_USE = "until last use"  # ZeRO-3: freed after forward, gathered again for backward
+    STEP = "until backward"  # ZeRO-2 (reshard_after_forward=False): kept from forward to backward
+    ALWAYS = "always"  # replicated (the local tensor is the full one), or ZeRO-1 (see [Note: ZeRO-1])
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter's plan: everything a read, a gradient and a checkpoint need."""
+
+    fqn: str
+    placement: Placement
+    reduce: Reduce
+    lifetime: Lifetime
+    dim0: int
+    world_size: int  # of the dimension it is sharded over
+    group_name: str
+    reduce_group_name: str  # same ranks, another communicator (see fxshard::unshard)
+    dtype: torch.dtype | None  # gather and compute dtype; None keeps the shard's
+    reduce_dtype: torch.dtype | None
+    requires_grad: bool  # at compile time
+    shape: tuple[int, ...]  # the full parameter's
+    shard_dtype: torch.dtype
+    device: torch.device
+    replicas: int = 1  # HSDP: copies across the mesh's replicate dimension (see [Note: HSDP])
+
+    @property
+    def replicated(self) -> bool:
+        return self.placement is Placement.REPLICATE
+
+    @property
+    def kept(self) -> bool:
+        """Sharded, and held gathered between steps (ZeRO-1; see [Note: ZeRO-1])."""
+        return self.placement is Placement.SHARD and self.lifetime is Lifetime.ALWAYS
+
+    def describe(self) -> str:
+        dtypes = (
+            f"{_dtype(self.dtype or self.shard_dtype)}/{_dtype(self.reduce_dtype or self.dtype or self.shard_dtype)}"
+        )
+        return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {placement_text(self)}, "
+                f"compute/reduce {dtypes}, gradient {reduce_text(self)}, gathered value {self.lifetime.value}")  # fmt: skip
+
+
+def placement_text(p: ParamPlan) -> str:
+    return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
+
+
+def reduce_text(p: ParamPlan) -> str:
+    if p.replicas == 1 or p.reduce is Reduce.NONE:
+        return p.reduce.value
+    return f"{p.reduce.value}, then all-reduce over {p.replicas} replicas"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class PlanTable:
+    """One model's parameter plans as graphs name them (see the Note).
+    ``local_rows``: this rank's rows of each parameter (all of a replicated
+    one's); ``count_group_name``: the CPU group on which sharded lookups
+    compare token counts ("" for none)."""
+
+    def __init__(self, params: tuple[ParamPlan, ...], local_rows: tuple[int, ...], count_group_name: str = "") -> None:
+        self.params, self.local_rows, self.count_group_name = params, local_rows, count_group_name
+        content = repr((params, local_rows, count_group_name)).encode()
+        uid = int.from_bytes(hashlib.sha256(content).digest()[:7], "little")
+        while _TABLES.get(uid) is not None:
+            uid += 1
+        self.id = uid
+        _TABLES[uid] = self
+
+    def as_stored(self) -> PlanTable:
+        """The same plans gathering in the stored dtype: reads outside a root
+        call, whose writes land in the shard."""
+        return PlanTable(
+            tuple(dataclasses.replace(p, dtype=None) for p in self.params), self.local_rows, self.count_group_name
+        )
+
+
+_TABLES: weakref.WeakValueDictionary[int, PlanTable] = weakref.WeakValueDictionary()
+
+
+def table(plan: int) -> PlanTable:
+    try:
+        return _TABLES[plan]
+    except KeyError:
+        raise RuntimeError(f"fxshard: no live plan {plan}; the model whose graph names it was freed") from None
+
+
+def param(plan: int, index: int) -> ParamPlan:
+    """The plan of parameter ``index`` of table ``plan``."""
+    return table(plan).params[index]
+
+
+def local_rows(plan: int, index: int) -> int:
+    return table(plan).local_rows[index]
