@@ -25,9 +25,12 @@ it). Until then every full gradient is alive, in the compute dtype, as in
 DeepSpeed's stage 1: ZeRO-1 spends that memory, and the copies, to gather
 nothing per micro-batch. Gathers and reduces are coalesced: one collective
 per run of parameters of one dtype, up to ``unit_mb`` of full values.
-Accumulation without sync is refused at this stage (so every backward
-reduces), and a model on the sequenced path (graph breaks) gathers on
-every call, as at the other stages.
+Without sync (``set_requires_gradient_sync(False)``) the backward keeps
+each full gradient in the model's gradient store, in the reduce dtype, and
+the next backward with sync adds it before its reduce, as graphs' reads do
+(see [Note: accumulation without sync] in fxshard/runtime/ops.py). A model
+on the sequenced path (graph breaks) gathers on every call, as at the other
+stages.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from fxshard.params import as_dtensor_grads, dtensor_metas
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many, shard_range
+from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore, accumulated_dtype
 
 _LIVE: weakref.WeakSet[KeptParams] = weakref.WeakSet()
 _HOOK: Any = None
@@ -123,14 +127,15 @@ class KeptParams:
         self.full.clear()
         self._seen, self.stale = None, True
 
-    def reads(self, params: list[DTensor]) -> dict[int, torch.Tensor]:
+    def reads(self, params: list[DTensor], phase: int, store: GradStore) -> dict[int, torch.Tensor]:
         """Each kept parameter's full copy for one call: through ``_KeptFull``
-        (its gradient reduce-scattered into the shard's) where it trains and
+        (its gradient reduce-scattered into the shard's, or kept in
+        ``store`` in the ``phase`` of a call without sync) where it trains and
         grad is enabled, else the copy itself, detached."""
         trained = [i for i in self.specs if params[i].requires_grad] if torch.is_grad_enabled() else []
         out = {i: self.full[i].detach() for i in self.specs}
         if trained:
-            views = _KeptFull.apply(self, trained, *(params[i] for i in trained))
+            views = _KeptFull.apply(self, trained, phase, store, *(params[i] for i in trained))
             out.update(zip(trained, views))
         return out
 
@@ -138,26 +143,41 @@ class KeptParams:
 class _KeptFull(torch.autograd.Function):
     """The full copies of several kept parameters in one autograd node; the
     backward reduce-scatters each gradient to this rank's rows (averaged,
-    then across replicas for HSDP) and wraps it as the DTensor's gradient."""
+    then across replicas for HSDP) and wraps it as the DTensor's gradient.
+    Without sync it keeps the full gradients in the model's store instead,
+    as graphs' reads do (see [Note: accumulation without sync] in
+    fxshard/runtime/ops.py), and the next call with sync reduces the sum."""
 
     @staticmethod
-    def forward(ctx, kept: KeptParams, indices: list[int], *params: DTensor) -> tuple:
+    def forward(ctx, kept: KeptParams, indices: list[int], phase: int, store: GradStore, *params: DTensor) -> tuple:
         ctx.set_materialize_grads(False)
-        ctx.kept, ctx.indices = kept, indices
+        ctx.kept, ctx.indices, ctx.phase, ctx.store = kept, indices, phase, store
         ctx.metas = dtensor_metas(params)
         return tuple(kept.full[i].view_as(kept.full[i]) for i in indices)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
         kept = ctx.kept
-        shards: list[torch.Tensor | None] = [None] * len(grads)
         got = {i: g for i, g in zip(ctx.indices, grads) if g is not None}
+        if ctx.phase == ACCUMULATE:  # kept whole; the shards' gradients from this call are zero
+            for i, g in got.items():
+                ctx.store.add(i, g, accumulated_dtype(kept.specs[i]))
+            zeros = [_zero_shard(kept, i) if i in got else None for i in ctx.indices]
+            return (None, None, None, None, *as_dtensor_grads(tuple(zeros), ctx.metas, None))
+        if ctx.phase == FLUSH:
+            got = {i: ctx.store.take(i, g, accumulated_dtype(kept.specs[i])) for i, g in got.items()}
+        shards: list[torch.Tensor | None] = [None] * len(grads)
         where = {i: j for j, i in enumerate(ctx.indices)}
-        for bucket in kept._buckets(list(got), lambda s: s.reduce_dtype or s.dtype or s.shard_dtype):
+        for bucket in kept._buckets(list(got), accumulated_dtype):
             s = kept.specs[bucket[0]]
             reduced = reduce_many([got[i] for i in bucket], [kept.local_rows[i] for i in bucket], s.world_size,
-                                  s.reduce_group_name, s.reduce_dtype or s.dtype or s.shard_dtype,
+                                  s.reduce_group_name, accumulated_dtype(s),
                                   [kept.specs[i].shard_dtype for i in bucket])  # fmt: skip
             for i, shard in zip(bucket, reduced):
                 shards[where[i]] = shard
-        return (None, None, *as_dtensor_grads(tuple(shards), ctx.metas, kept.replicas))
+        return (None, None, None, None, *as_dtensor_grads(tuple(shards), ctx.metas, kept.replicas))
+
+
+def _zero_shard(kept: KeptParams, index: int) -> torch.Tensor:
+    spec = kept.specs[index]
+    return torch.zeros((kept.local_rows[index], *spec.shape[1:]), dtype=spec.shard_dtype, device=spec.device)

@@ -122,12 +122,6 @@ class FXShardRoot(FXShardModule):
         if not isinstance(requires_gradient_sync, bool):
             raise ValueError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}")
         state = self.__dict__[ROOT_STATE]
-        if not requires_gradient_sync and state.shards.kept is not None:
-            raise NotImplementedError(
-                "set_requires_gradient_sync(False) with zero_stage=1 is not supported: ZeRO-1 reduces each "
-                "micro-batch's gradient. Keep gradient sync on (parameters are still gathered once per step), or "
-                "use zero_stage=2 to accumulate without sync"
-            )
         state.sync = requires_gradient_sync
 
 
@@ -220,13 +214,14 @@ class LocalShards:
             for module in self._modules:
                 module.__dict__["_fxshard_locals"].clear()
 
-    def scope(self, phase: int) -> contextlib.AbstractContextManager[None]:
-        """The local shards and the call's phase, for the duration of one call."""
+    def scope(self, phase: int, store: GradStore) -> contextlib.AbstractContextManager[None]:
+        """The local shards and the call's phase, for the duration of one
+        call. ``store``: where ZeRO-1's copies keep gradients without sync."""
         params = self.parameters()
         locals_: list[torch.Tensor | None] = [None] * len(params)
         if self.kept is not None:
             self.kept.refresh(params)
-            for i, full in self.kept.reads(params).items():
+            for i, full in self.kept.reads(params, phase, store).items():
                 locals_[i] = full
         trained = [i for i, p in enumerate(params) if p.requires_grad and locals_[i] is None]
         if trained and torch.is_grad_enabled():
@@ -387,7 +382,7 @@ class RootState:
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
         try:
-            with self.shards.scope(self._phase()):
+            with self.shards.scope(self._phase(), self.store):
                 out = base.__call__(module, *args, **kwargs)
         except Exception as error:
             if not compat.is_user_error(error):

@@ -141,6 +141,9 @@ CASES: dict[str, Case] = {
     # ZeRO-1: the full copies gathered inside the captured step, once per step.
     "strategies-zero1-llama": Case(**LLAMA, micro_batches=3, steps=8, compile_kwargs=dict(zero_stage=1)),
     "strategies-zero1-hybrid-bf16": Case(**HYBRID, compile_kwargs=dict(zero_stage=1, mp_policy=BF16)),
+    "strategies-zero1-no_sync-llama": Case(
+        **LLAMA, micro_batches=3, steps=8, no_sync=True, compile_kwargs=dict(zero_stage=1)
+    ),
     # The optimizer steps outside the graph, every 4 calls: the capture (the
     # third call) comes mid-step, and every replay must still gather.
     "strategies-zero1-step_outside-llama": Case(**LLAMA, compile_kwargs=dict(zero_stage=1), calls_per_step=4, steps=12),

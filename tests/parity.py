@@ -316,7 +316,7 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     # ZeRO-1 (see [Note: ZeRO-1]): full copies gathered once per step, two
     # micro-batches each reduced; replicated and frozen parameters beside;
-    # clipping. Then bf16 with units formed for the frozen sharded rest.
+    # clipping. Then empty shards, and bf16 HSDP, each accumulating without sync.
     "zero1": Scenario(
         **LLAMA,
         compile_kwargs=dict(backend="aot_eager", zero_stage=1, unit_mb=0.003),  # several buckets
@@ -332,6 +332,7 @@ SCENARIOS: dict[str, Scenario] = {
         loss=_mse,
         compile_kwargs=dict(backend="aot_eager", zero_stage=1, unit_mb=1e-4),
         micro_batches=2,
+        no_sync=True,
     ),
     "zero1_bf16_hsdp": Scenario(
         **UNTIED,
@@ -342,6 +343,8 @@ SCENARIOS: dict[str, Scenario] = {
         compile_kwargs=dict(
             backend="aot_eager", zero_stage=1, mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32)
         ),
+        micro_batches=2,
+        no_sync=True,
         replicas=2,
     ),
     "hsdp_one_replica": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003), replicas=1),

@@ -26,11 +26,13 @@ def test_plan_is_dumped(fake_pg, tmp_path):
     fxshard.no_shard(model.norm)
     fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path, reshard_after_forward=False)
     text = (tmp_path / "rank0" / "plan.txt").read_text()
-    lines = {
-        line.split(" ")[0]: line
-        for line in text.splitlines()
-        if line.startswith(("layers.", "norm", "embed", "output"))
-    }
+    # "<index> <name> ...": graphs' markers name each parameter by its index.
+    head, _, by_index = text.partition(f"plan {model.fxshard_plan.root.table.id}, by index:\n")
+    assert head.startswith("parameters: ")  # the counts per kind first
+    numbered = [line.split(maxsplit=2) for line in by_index.splitlines()]
+    lines = {name: line for _, name, line in numbered}
+    assert [int(i) for i, *_ in numbered] == list(range(len(numbered)))
+    assert [name for _, name, _ in numbered] == [p.fqn for p in model.fxshard_plan.params]
     assert (
         "Replicate(), compute/reduce float32/float32, gradient none, gathered value always"
         in lines["layers.0.attn.wq.weight"]
@@ -105,8 +107,13 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
     model(tokens)
     assert kept.gathers == 5
     copies_match()
-    with pytest.raises(NotImplementedError, match="zero_stage=2 to accumulate without sync"):
-        model.set_requires_gradient_sync(False)
+    # Without sync the full gradients are kept, not reduced, and nothing is gathered again.
+    model.set_requires_gradient_sync(False)
+    lm_loss(model(tokens), tokens).backward()
+    assert kept.gathers == 5 and set(kept.specs) <= set(plan.root.store.grads)
+    model.set_requires_gradient_sync(True)
+    lm_loss(model(tokens), tokens).backward()
+    assert kept.gathers == 5 and not plan.root.store.grads
 
 
 def test_coalesced_collectives_take_empty_and_one_dimensional_parameters(fake_pg):
