@@ -26,9 +26,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if n := config.stash.get(_FULL_CPU_DESELECTED, 0):
+    n = config.stash.get(_FULL_CPU_DESELECTED, 0)
+    # Under pytest-xdist the workers deselect; the controller, which prints, has no count.
+    distributed = config.pluginmanager.hasplugin("dsession") and not os.environ.get("FXSHARD_FULL_CPU")
+    if n or (distributed and "full_cpu" not in config.getoption("markexpr")):
         terminalreporter.write_line(
-            f"{n} deselected: slower CPU variants (marker full_cpu); "
+            f"{n or 'Some tests'} deselected: slower CPU variants (marker full_cpu); "
             "FXSHARD_FULL_CPU=1 adds them, -m full_cpu runs only them"
         )
 

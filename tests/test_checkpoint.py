@@ -323,7 +323,7 @@ def test_example_saves_resumes_and_exports(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "examples" / "checkpoint.py"), "--dir", str(tmp_path / "ckpt"), "--backend", "eager"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=300)  # fmt: skip

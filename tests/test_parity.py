@@ -36,8 +36,13 @@ HSDP_CHECKS = ("hsdp", "hsdp_sequenced", "zero1_bf16_hsdp", "hsdp_no_sync_bf16")
 # no_shard_bf16: replicated reads in outlined layers are also checked in
 # test_graph_structure; accumulate_no_sync_uneven (empty shards while
 # accumulating) runs under [Note: full_cpu] and on the GPU gate.
+# mamba_direct_reads_inductor: Mamba's direct reads run at every world size
+# under aot_eager, and Inductor's flat graphs in the zoo's Inductor seeds.
+# units_explicit and units_per_param_prefetch0: their unit layouts and
+# schedules are checked on graphs in test_graph_structure.
 FULL_CPU_CHECKS = ("llama_tied_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
-                   "no_shard_bf16", "accumulate_no_sync_uneven")  # fmt: skip
+                   "no_shard_bf16", "accumulate_no_sync_uneven", "mamba_direct_reads_inductor", "units_explicit",
+                   "units_per_param_prefetch0")  # fmt: skip
 # At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica) the others add little to
 # 2 x 2 and the 1-D checks; the GPU gate runs them all.
 WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp")
@@ -45,6 +50,10 @@ WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero
 # ranks (empty shards: rank 3 holds none of these parameters' rows); the rest
 # of its layout checks run under [Note: full_cpu] and on the GPUs at 2.
 WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", "zero1_uneven", *HSDP_CHECKS[:3])
+# World sizes 1 and 3 run, by default, the checks whose layout changes most
+# there (empty and ragged shards, tied and direct reads); the unit schedules
+# and ZeRO-1 on the full model run at 2.
+WS1_WS3_FULL_CPU = ("units_small_prefetch2", "zero1")
 
 
 def _slower(world_size: int, check: str) -> bool:
@@ -52,6 +61,7 @@ def _slower(world_size: int, check: str) -> bool:
         check in FULL_CPU_CHECKS
         or (world_size == 4 and check not in WS4_DEFAULT)
         or (world_size == 2 and check in WS2_FULL_CPU)
+        or (world_size in (1, 3) and check in WS1_WS3_FULL_CPU)
     )
 
 

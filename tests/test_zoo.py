@@ -2,7 +2,11 @@
 fxshard's default options, on 2 and 3 gloo ranks, with Inductor and aot_eager.
 
 A fixed set of seeds runs in CI. ``FXSHARD_ZOO_SEEDS`` runs more: ``200``
-(seeds 0..199), ``5-9`` or ``1,4,7``, for each backend and world size.
+(seeds 0..199), ``5-9`` or ``1,4,7``, for each backend and world size;
+``FXSHARD_ZOO_STRATEGIES=1`` runs each seed under a strategy drawn from it
+(ZeRO stage, a module kept whole, frozen parameters sharded or not,
+micro-batches with or without sync; HSDP needs 4 ranks, which only a
+direct ``run_seeds`` call reaches).
 bench/scripts/zoo_survey.py runs a survey with a log per seed.
 """
 
@@ -35,6 +39,8 @@ KNOWN_FAILURES: dict[tuple[str, int, int], str] = {}
 
 
 MORE_SEEDS = os.environ.get("FXSHARD_ZOO_SEEDS")
+# FXSHARD_ZOO_STRATEGIES=1: each seed under a strategy drawn from it (tests.zoo.strategy).
+STRATEGIES = os.environ.get("FXSHARD_ZOO_STRATEGIES") == "1"
 
 
 _RUNS: dict[tuple[str, int], tuple[list[int], dict[int, str]]] = {}
@@ -48,7 +54,7 @@ def zoo_run(request) -> tuple[list[int], dict[int, str]]:
     backend, world_size = request.param
     if request.param not in _RUNS:
         seeds = parse_seeds(MORE_SEEDS) if MORE_SEEDS else selected(request, "seed", zoo_run=request.param)
-        results = run_ranks(world_size, run_seeds, seeds, backend, timeout=900)
+        results = run_ranks(world_size, run_seeds, seeds, backend, None, None, STRATEGIES, timeout=900)
         check_results(results)
         _RUNS[request.param] = seeds, failures(results)
     return _RUNS[request.param]

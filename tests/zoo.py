@@ -20,6 +20,7 @@ harness's ``torch.manual_seed(0)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -33,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fxshard
 from tests.parity import Scenario, train_and_compare
 
 WIDTHS = (5, 6, 7, 9, 12, 16, 24, 33, 48)  # hidden sizes; most not divisible by 2 or 3
@@ -415,12 +417,45 @@ def frozen_names(seed: int) -> tuple[str, ...]:
     return tuple(n for n, p in make_model(seed).named_parameters() if not p.requires_grad)
 
 
-def scenario(seed: int, backend: str, **compile_kwargs) -> Scenario:
+def scenario(seed: int, backend: str, strategies: bool = False, world_size: int = 1, **compile_kwargs) -> Scenario:
     """Seed ``seed`` under fxshard's defaults but ``backend`` (and, for a
-    diagnosis, ``compile_kwargs``): 3 AdamW steps against the reference."""
-    return Scenario(make_model=functools.partial(make_model, seed), make_batch=functools.partial(make_batch, seed),
-                    loss=loss, compile_kwargs=dict(backend=backend, **compile_kwargs), freeze=frozen_names(seed),
-                    param_grad_floor=1e-6)  # fmt: skip
+    diagnosis, ``compile_kwargs``): 3 AdamW steps against the reference.
+    ``strategies``: under the seed's own strategy (``strategy``) instead."""
+    sc = Scenario(make_model=functools.partial(make_model, seed), make_batch=functools.partial(make_batch, seed),
+                  loss=loss, compile_kwargs=dict(backend=backend, **compile_kwargs), freeze=frozen_names(seed),
+                  param_grad_floor=1e-6)  # fmt: skip
+    if not strategies:
+        return sc
+    fields, options = strategy(seed, world_size)
+    return dataclasses.replace(sc, compile_kwargs={**sc.compile_kwargs, **options}, **fields)
+
+
+def strategy(seed: int, world_size: int) -> tuple[dict, dict]:
+    """Scenario fields and ``fxshard.compile`` options for one seed's strategy, drawn from a stream of its
+    own: a ZeRO stage, one module or parameter kept whole (``no_shard``),
+    frozen parameters sharded or not, micro-batches with or without sync,
+    and an HSDP mesh where the world size splits."""
+    rng = random.Random(f"strategy {seed}")
+    kwargs = dict(zero_stage=rng.choice((1, 2, 3)), shard_frozen=rng.random() < 0.3)
+    micro_batches = rng.choice((1, 2, 3))
+    whole = rng.random()  # which module no_shard marks: drawn from the model, alike on every rank
+
+    def prepare(model: nn.Module) -> None:
+        if whole < 0.5:
+            return
+        modules = [m for m in model.modules() if m is not model and any(True for _ in m.parameters())]
+        fxshard.no_shard(modules[int(whole * 1000) % len(modules)])
+
+    fields = dict(prepare=prepare, micro_batches=micro_batches, no_sync=micro_batches > 1 and rng.random() < 0.7)
+    if world_size % 2 == 0 and world_size > 2 and rng.random() < 0.5:
+        fields["replicas"] = 2
+    return fields, kwargs
+
+
+def describe_strategy(sc: Scenario) -> str:
+    """The options a failure ran under, for its message."""
+    return (f"options {sc.compile_kwargs}, micro-batches {sc.micro_batches}{' without sync' if sc.no_sync else ''}, "
+            f"replicas {sc.replicas or 1}\n")  # fmt: skip
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -433,22 +468,24 @@ def parse_seeds(text: str) -> list[int]:
     return list(range(int(text)))
 
 
-def _outcome(seed: int, backend: str, rank: int, world_size: int, compile_kwargs: dict) -> str | None:
+def _outcome(seed: int, backend: str, rank: int, world_size: int, compile_kwargs: dict,
+             strategies: bool) -> str | None:  # fmt: skip
     """None if ``seed`` matched the reference, else why not."""
     mismatches: list[str] = []
+    sc = scenario(seed, backend, strategies, world_size, **compile_kwargs)
     try:
-        train_and_compare(rank, world_size, scenario(seed, backend, **compile_kwargs), mismatches=mismatches)
+        train_and_compare(rank, world_size, sc, mismatches=mismatches)
     except Exception:
-        return traceback.format_exc()
+        return describe_strategy(sc) + traceback.format_exc()
     if not mismatches:
         return None
     names = [m.split(":")[0] for m in mismatches]
-    return f"{len(mismatches)} mismatches ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}); first:\n" \
+    return describe_strategy(sc) + f"{len(mismatches)} mismatches ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}); first:\n" \
            f"{mismatches[0]}"  # fmt: skip
 
 
 def run_seeds(rank: int, world_size: int, seeds: list[int], backend: str, log_dir: str | None = None,
-              compile_kwargs: dict | None = None) -> dict[int, str | None]:  # fmt: skip
+              compile_kwargs: dict | None = None, strategies: bool = False) -> dict[int, str | None]:  # fmt: skip
     """Train and compare each seed on this rank; map it to None (passed) or
     the failure. With ``log_dir``, append one JSON line per seed to
     ``rank<r>.jsonl`` there as it finishes, so a hang loses only the rest."""
@@ -456,7 +493,7 @@ def run_seeds(rank: int, world_size: int, seeds: list[int], backend: str, log_di
     for seed in seeds:
         print(f"[rank {rank}/{world_size}] zoo {backend} {plan(seed).describe()}", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        results[seed] = _outcome(seed, backend, rank, world_size, compile_kwargs or {})
+        results[seed] = _outcome(seed, backend, rank, world_size, compile_kwargs or {}, strategies)
         # Each compiled root has its own forward code object, but dynamo's
         # caches keep every compiled model alive; start each seed clean.
         torch._dynamo.reset()
