@@ -29,9 +29,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     n = config.stash.get(_FULL_CPU_DESELECTED, 0)
     # Under pytest-xdist the workers deselect; the controller, which prints, has no count.
     distributed = config.pluginmanager.hasplugin("dsession") and not os.environ.get("FXSHARD_FULL_CPU")
-    if n or (distributed and "full_cpu" not in config.getoption("markexpr")):
+    if n:
         terminalreporter.write_line(
-            f"{n or 'Some tests'} deselected: slower CPU variants (marker full_cpu); "
+            f"{n} deselected: slower CPU variants (marker full_cpu); "
+            "FXSHARD_FULL_CPU=1 adds them, -m full_cpu runs only them"
+        )
+    elif distributed and "full_cpu" not in config.getoption("markexpr"):
+        terminalreporter.write_line(
+            "Slower CPU variants (marker full_cpu) do not run by default; "
             "FXSHARD_FULL_CPU=1 adds them, -m full_cpu runs only them"
         )
 

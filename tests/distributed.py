@@ -7,7 +7,6 @@ and the test fails, instead of wedging the suite.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -16,13 +15,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, env: dict, fn: Callable,
+def _entry(rank: int, world_size: int, out_dir: str, backend: str, env: dict, fn: Callable,
            args: tuple) -> None:  # fmt: skip
     import faulthandler
 
@@ -36,11 +29,13 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, backend: str, en
     faulthandler.enable(all_threads=True)
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # A file store in this set's own folder, not a TCP port: sets of ranks
+    # that run at once (pytest-xdist workers) never meet.
+    dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
     except BaseException:
@@ -78,7 +73,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, b
     _preload_once()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(world_size, _free_port(), out_dir, backend, dict(os.environ), fn, args), nprocs=world_size,
+            _entry, args=(world_size, out_dir, backend, dict(os.environ), fn, args), nprocs=world_size,
             join=False, start_method="forkserver",
         )  # fmt: skip
         try:

@@ -12,7 +12,8 @@ One captured graph goes through three stages (see passes/README.md):
    (``compile_fx_inner``) or nothing (``aot_eager``).
 
 The units themselves are formed once, from the first captured graph's order
-of first use (``Units.assign``), before AOTAutograd traces it.
+of first use (``passes/units.py:form_units``, laid out by ``Units.form``),
+before AOTAutograd traces it.
 
 Inductor keeps its own AOTAutograd setup, joint passes and partitioner: fxshard
 plugs in through ``compile_fx``'s ``inner_compile`` hook and a scoped

@@ -52,7 +52,8 @@ stats = {"sharded": 0, "gathered": 0}
 
 
 def _same_count(n: int, world_size: int, count_group_name: str) -> bool:
-    """Whether every rank looks up ``n`` tokens; "" (a fake group) assumes so."""
+    """Whether every rank looks up ``n`` tokens; "" (no count group: a fake
+    process group, which moves no data) assumes so."""
     if not count_group_name:
         return True
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
@@ -144,6 +145,7 @@ def _(grad, indices, plan, index):
 def _setup(ctx, inputs, output):
     indices, _, ctx.plan, ctx.index = inputs
     ctx.save_for_backward(indices)
+    ctx.table = plans.table(ctx.plan)  # the backward finds it by id: alive until it runs
 
 
 def _backward(ctx, grad):
