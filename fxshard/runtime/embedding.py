@@ -145,7 +145,6 @@ def _(grad, indices, plan, index):
 def _setup(ctx, inputs, output):
     indices, _, ctx.plan, ctx.index = inputs
     ctx.save_for_backward(indices)
-    ctx.table = plans.table(ctx.plan)  # the backward finds it by id: alive until it runs
 
 
 def _backward(ctx, grad):

@@ -176,8 +176,6 @@ def _phase_backward(grad: torch.Tensor, plan: int, index: int, phase: int,
 def _marker_setup(ctx, inputs, output):
     _, ctx.plan, ctx.index, *phase = inputs
     ctx.phase = phase[0] if phase else SYNC
-    # The backward finds them by id: alive until it runs, even if the model goes first.
-    ctx.alive = plans.table(ctx.plan), _STORES.get(ctx.plan)
 
 
 def _unshard_backward(ctx, grad):

@@ -256,7 +256,6 @@ def _seq_gather_setup(ctx, inputs, output):
     anchor, plan, index = inputs
     ctx.save_for_backward(anchor)
     ctx.key = (plan, index)
-    ctx.sequencer = _SEQUENCERS.get(plan)  # the backward finds it by id: alive until it runs
 
 
 def _seq_gather_backward(ctx, grad):
