@@ -99,3 +99,19 @@ def test_zoo_seeds(zoo_run):
     seeds, failed = zoo_run
     report = "\n\n".join(f"seed {seed}: {message}" for seed, message in sorted(failed.items()))
     assert not failed, f"{len(failed)} of {len(seeds)} seeds failed: {sorted(failed)}\n\n{report}"
+
+
+# Seeds whose drawn strategies (tests.zoo.strategy) are ZeRO-1 and ZeRO-2
+# with frozen parameters sharded, each accumulating without sync; many more
+# run with FXSHARD_ZOO_STRATEGIES=1.
+STRATEGY_SEEDS = [3, 7]
+
+
+@pytest.mark.skipif(bool(MORE_SEEDS), reason="FXSHARD_ZOO_SEEDS runs test_zoo_seeds instead")
+def test_zoo_under_drawn_strategies():
+    """Generated models under strategies drawn for them, not the defaults
+    they were generated against, match the unsharded reference at 2 ranks."""
+    results = run_ranks(2, run_seeds, STRATEGY_SEEDS, "aot_eager", None, None, True, timeout=900)
+    check_results(results)
+    failed = failures(results)
+    assert not failed, "\n\n".join(f"seed {seed}: {message}" for seed, message in sorted(failed.items()))
