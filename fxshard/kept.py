@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fxshard.params import as_dtensor_grads, dtensor_metas
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import Replicas, gather_many, reduce_many, shard_range
+from fxshard.runtime.collectives import Replicas, gather_many, reduce_many
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore, accumulated_dtype
 
 _LIVE: weakref.WeakSet[KeptParams] = weakref.WeakSet()
@@ -63,14 +63,13 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 class KeptParams:
     """The full copies of one model's ZeRO-1 parameters (see the Note), by plan index."""
 
-    def __init__(self, specs: dict[int, ParamPlan], rank: int, replicas: Replicas | None, bucket_bytes: int) -> None:
+    def __init__(self, specs: dict[int, ParamPlan], local_rows: dict[int, int], replicas: Replicas | None,
+                 bucket_bytes: int) -> None:  # fmt: skip
+        """``specs`` and ``local_rows`` (this rank's rows): by plan index."""
         global _HOOK
         self.specs = specs
         self.bucket_bytes = bucket_bytes  # of gathered values per all-gather or reduce-scatter
-        self.local_rows = {}
-        for i, s in specs.items():
-            start, end = shard_range(s.dim0, s.world_size, rank)
-            self.local_rows[i] = end - start
+        self.local_rows = local_rows
         self.replicas = replicas
         self.full: dict[int, torch.Tensor] = {}
         self.ids: set[int] = set()  # of the DTensor parameters, for the optimizer hook

@@ -538,13 +538,13 @@ def shard_parameters(
         if not spec.replicated and not spec.kept:  # units gather and reduce shards that graphs gather
             infos.append(_param_info(first_mod, first_attr, spec, shard_mesh))
     per_module.setdefault(model, {})
-    index = {spec.fqn: i for i, spec in enumerate(plans[key] for key in owners)}
     table = PlanTable(tuple(plans[key] for key in owners), tuple(e.local_rows for e in entries), count_group_name)
+    index = {spec.fqn: i for i, spec in enumerate(table.params)}
     sequencer = Sequencer(table.id, entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
-    specs = [plans[key] for key in owners]
-    kept = {i: spec for i, spec in enumerate(specs) if spec.kept}
+    kept = {i: spec for i, spec in enumerate(table.params) if spec.kept}
+    kept_rows = {i: table.local_rows[i] for i in kept}
     shards = LocalShards(list(owners.values()), replicas,
-                         KeptParams(kept, shard_mesh.get_local_rank(), replicas, bucket_bytes) if kept else None)  # fmt: skip
+                         KeptParams(kept, kept_rows, replicas, bucket_bytes) if kept else None)  # fmt: skip
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns, table)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():
