@@ -29,6 +29,10 @@ SDPA, SwiGLU, untied output), built from the same seed:
   a capture, then replays; the timed steps are replays only;
 - ``fxshard_capturable`` (not in the default set): ``fxshard_graph``'s step
   uncaptured, so that the two differ by the graph alone;
+- ``compile_graph`` (one GPU only, not in the default set): plain torch, no
+  sharding: the model under ``torch.compile`` and bf16 autocast, the same
+  step captured with ``torch.cuda.graph``. What the step's kernels cost
+  without fxshard, a floor for ``fxshard_graph`` at world size 1;
 - ``fxshard_no_sync``: with ``--micro-batches K``, all micro-batches but the
   last under ``set_requires_gradient_sync(False)``;
 - ``fxshard_flat``, ``fxshard_r2``, ``fxshard_shard_frozen``, ``fxshard_zero2``,
@@ -49,7 +53,8 @@ graph's pool), reset after the model is built and sharded and after every
 step. TFLOP/s per GPU = (6 params + 6 layers seq dim) tokens / step time.
 ``--profile N`` adds, per step over the last N steps, the GPU-busy time (the
 union of all kernels) next to the step time, compute-busy, NCCL and exposed
-NCCL time. Report the device, GPU count, torch and NCCL versions (in the
+NCCL time, and kernel time by kind (matmul, attention, optimizer, Triton,
+NCCL, other). Report the device, GPU count, torch and NCCL versions (in the
 JSON's ``meta``) with every number; compare systems of one run side by side.
 The driver prints a table and writes JSON; ``bench/plot.py`` draws it.
 """
@@ -108,13 +113,17 @@ FXSHARD_VARIANTS = {
     "fxshard_zero2": {"zero_stage": 2},  # gathered weights kept from forward to backward
     "fxshard_zero1": {"zero_stage": 1},  # full copies kept between steps, gathered once per step
 }
-ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS)))
+# Plain torch on one GPU, no sharding: the unsharded model under torch.compile
+# and bf16 autocast, the step in torch.cuda.graph. A floor for fxshard_graph
+# at world size 1: what the same kernels cost without fxshard.
+REFERENCE = ("compile_graph",)
+ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS, *REFERENCE)))
 # [Note: a step a CUDA graph can replay] A replay reuses the captured
 # addresses and launches no host work: the optimizer keeps its step count on
 # the GPU (AdamW capturable=True), and zero_grad keeps the gradient tensors
 # (set_to_none=False). fxshard_capturable runs that same step uncaptured.
-CAPTURABLE = ("fxshard_capturable", "fxshard_graph")
-GRAPHED = ("fxshard_graph",)
+CAPTURABLE = ("fxshard_capturable", "fxshard_graph", "compile_graph")
+GRAPHED = ("fxshard_graph", "compile_graph")
 GRAPH_WARMUP = 2  # fxshard.cuda_graph(warmup=...): eager calls; the next one captures, later ones replay
 GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent")
 DEVICE = "cuda"
@@ -138,6 +147,10 @@ def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
         model.embed.requires_grad_(False)
         for layer in model.layers[:FROZEN_LAYERS]:
             layer.requires_grad_(False)
+    if system in REFERENCE:
+        if dist.get_world_size() != 1:
+            raise ValueError(f"{system} trains the unsharded model on one GPU: run it with --nproc-per-node 1")
+        return torch.compile(model)
     if system in FXSHARD_VARIANTS:
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
         return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **FXSHARD_VARIANTS[system]})
@@ -162,7 +175,8 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
         for i, micro in enumerate(tokens.chunk(MICRO_BATCHES)):
             if system == "fxshard_no_sync":
                 model.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
-            loss = lm_loss(model(micro), micro) / MICRO_BATCHES
+            with torch.autocast(DEVICE, torch.bfloat16, enabled=system in REFERENCE):
+                loss = lm_loss(model(micro), micro) / MICRO_BATCHES
             loss.backward()
             losses.append(loss.detach())
         loss = torch.stack(losses).sum()
@@ -172,12 +186,40 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
 
     if system not in GRAPHED:
         return train_step
+    if system in REFERENCE:
+        return PlainGraph(train_step)
     # Looked up here, not imported at the top: the script runs with an fxshard that predates it.
     cuda_graph = getattr(fxshard, "cuda_graph", None)
     if cuda_graph is None:
         raise RuntimeError(f"{system} needs fxshard.cuda_graph (fxshard/graphs.py), which this fxshard "
                            f"({fxshard.__file__}) lacks: update fxshard or leave {system} out of --systems")  # fmt: skip
     return cuda_graph(train_step, warmup=GRAPH_WARMUP)
+
+
+class PlainGraph:
+    """The reference's capture with torch alone: GRAPH_WARMUP eager calls,
+    then one captured on a side stream (``torch.cuda.graph``) and replayed;
+    every later call copies its tokens in and replays."""
+
+    memory = None  # no prediction to report (see graph_memory)
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls, self.graph = fn, 0, None
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.graph is None and self.calls <= GRAPH_WARMUP:
+            return self.fn(tokens)
+        if self.graph is None:
+            self.tokens, self.graph = tokens.clone(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.loss = self.fn(self.tokens)
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.loss
+
+    def reset(self) -> None:
+        self.graph = None
 
 
 def tokens_for(step: int, rank: int, batch: int, vocab: int) -> torch.Tensor:
@@ -313,7 +355,18 @@ def kernel_profile(profiler, steps: int) -> dict:
     by_name: dict[str, float] = {}
     for e in kernels:
         by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps, reach, last = [], None, None
+    for e in ordered:  # idle stretches: no kernel running between two kernels
+        if reach is not None and e.time_range.start > reach:
+            gaps.append(((e.time_range.start - reach) / 1e3, last.name[:60], e.name[:60]))
+        if reach is None or e.time_range.end > reach:
+            reach, last = e.time_range.end, e
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     result = dict(
         gpu_busy_ms=sum(b - a for a, b in _union(spans)) / 1e3 / steps,
         compute_busy_ms=sum(b - a for a, b in compute_u) / 1e3 / steps,
@@ -321,10 +374,25 @@ def kernel_profile(profiler, steps: int) -> dict:
         exposed_nccl_ms=(nccl_ms - _covered(nccl_u, compute_u) / 1e3) / steps,
         kernels_per_step=len(kernels) / steps,
         top_kernels_ms={k: v / steps for k, v in top},
+        by_kind_ms={k: v / steps for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        idle_ms=sum(g for g, *_ in gaps) / steps,
+        idle_gaps=len(gaps) / steps,
+        largest_gaps_ms=[list(g) for g in sorted(gaps, reverse=True)[: 4 * steps]],  # ms, kernel before, after
     )
     if not kernels:
         result["note"] = "the profiler listed no GPU kernels (CPU run, or CUDA graph replays not itemized)"
     return result
+
+
+# Kernel name fragments -> the kind a profile sums them under (first match wins).
+KERNEL_KINDS = (("nccl", ("nccl",)), ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+                ("attention", ("sdpa", "flash", "fmha", "attention")), ("optimizer", ("multi_tensor_apply",)),
+                ("triton", ("triton_",)))  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in lowered for p in parts)), "other")
 
 
 def fxshard_plan_facts(model: torch.nn.Module) -> dict:
@@ -375,6 +443,13 @@ def details(r: dict) -> list[str]:
         lines.append(f"{name} profile per step: GPU busy {p.get('gpu_busy_ms', 0):.1f} of {r['step_ms']:.1f} ms, "
                      f"compute busy {p['compute_busy_ms']:.1f} ms, NCCL {p['nccl_ms']:.1f} ms, "
                      f"exposed NCCL {p['exposed_nccl_ms']:.1f} ms" + (f" ({p['note']})" if "note" in p else ""))  # fmt: skip
+        if p.get("by_kind_ms"):
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in p["by_kind_ms"].items())
+            lines.append(f"{name} kernel ms per step by kind ({p['kernels_per_step']:.0f} kernels): {kinds}")
+        if p.get("largest_gaps_ms"):
+            largest = "; ".join(f"{g:.2f} after {a} before {b}" for g, a, b in p["largest_gaps_ms"][:6])
+            lines.append(f"{name} GPU idle between kernels per step: {p['idle_ms']:.2f} ms in "
+                         f"{p['idle_gaps']:.0f} gaps; largest: {largest}")  # fmt: skip
     phases = r.get("first_step_compile_s") or {}
     if phases:
         shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)
