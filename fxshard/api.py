@@ -6,7 +6,6 @@ any collective runs. Below this module nothing sees an option name.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import weakref
@@ -262,11 +261,6 @@ def _count_group(mesh: DeviceMesh) -> str:
     return _side_group(mesh, "count", backend="gloo").group_name
 
 
-def _allow_graph_breaks(model: nn.Module, backend: FXShardBackend, error: BaseException) -> None:
-    backend.graph_break_reason = compat.graph_break_reason(error)  # for the summaries of the graphs to come
-    model.compile(backend=backend, fullgraph=False)
-
-
 # Compiles so far per mesh group: every rank compiles the same models in the
 # same order, so the count names a model's keys in the store alike on every rank.
 _COMPILES: dict[str, int] = {}
@@ -453,12 +447,11 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                            explicit)  # fmt: skip
         if shards.size() > 1:
             unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name)
-            state.after_first_call = unit_plan.rehome
         compiled = FXShardBackend(spec, unit_plan, _graph_agreement(shards))
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
-        state.on_graph_break = functools.partial(_allow_graph_breaks, model, compiled)
+        state.attach(compiled, unit_plan)
     plan = ShardPlan(mesh, shards, params, zero_stage, mp_policy, backend, debug_dir, graphs, state, unit_plan)
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan

@@ -53,7 +53,7 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -68,7 +68,10 @@ from fxshard.runtime.collectives import Replicas, shard_range
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
 from fxshard.runtime.plans import PlanTable
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
-from fxshard.runtime.units import ParamInfo
+from fxshard.runtime.units import ParamInfo, Units
+
+if TYPE_CHECKING:
+    from fxshard.passes.pipeline import FXShardBackend
 
 log = logging.getLogger("fxshard")
 
@@ -295,10 +298,16 @@ class RootState:
         sequencer.after_hold = self._note_kept
         self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
-        # Set by fxshard.compile: recompile allowing graph breaks; called once.
-        self.on_graph_break: Callable[[BaseException], None] | None = None
-        # Set by fxshard.compile: called once, after the first call ran as one graph.
-        self.after_first_call: Callable[[], None] | None = None
+        self.backend: FXShardBackend | None = None  # see attach
+        self.units: Units | None = None
+        self._depth = 0  # root calls running, nested ones included
+
+    def attach(self, backend: FXShardBackend | None, units: Units | None) -> None:
+        """The compiler the root's calls run through (None for
+        ``backend="eager"``), and the units its graphs gather (None at one
+        rank): the first call moves the shards into the units' slots, a
+        graph break on it recompiles allowing breaks."""
+        self.backend, self.units = backend, units
 
     def take(self, param: DTensor, applied: Any, attr: str) -> DTensor | None:
         """Take ``applied``, what ``nn.Module._apply``'s function made of the
@@ -378,6 +387,32 @@ class RootState:
             return base.__call__(module, *args, **kwargs)
 
     def _call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+        outermost = self._depth == 0 and not compat.in_backward()
+        if outermost:
+            self._recover(after_raise=False)
+        self._depth += 1
+        try:
+            return self._outer_call(module, base, args, kwargs)
+        except BaseException:
+            if outermost:
+                self._recover(after_raise=True)
+            raise
+        finally:
+            self._depth -= 1
+
+    def _recover(self, after_raise: bool) -> None:
+        """Clear what a call or a backward that raised left behind (see
+        [Note: a call that raises] in fxshard/runtime/units.py): wait for its
+        collectives in flight, and drop the gradients a failed backward gave
+        sequenced calls. Before a call, this finds what a backward left."""
+        in_flight = self.units.drain() if self.units is not None else 0
+        failed = self.sequencer.drop_failed_backward()
+        if (in_flight or failed) and not after_raise:
+            log.warning("fxshard: the last backward raised; its gradients are dropped (%d collectives in flight "
+                        "waited for). Zero the gradients before the next step, as after any failed backward: "
+                        ".grad may hold part of it", in_flight)  # fmt: skip
+
+    def _outer_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         self.check_kept()
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
@@ -389,8 +424,8 @@ class RootState:
                 return self._on_graph_break(error, module, base, args, kwargs)
             failed = error
         else:
-            if self.calls == 0 and self.after_first_call is not None:
-                self.after_first_call()
+            if self.calls == 0 and self.units is not None:
+                self.units.rehome()  # the model runs as one graph: units are used
             self.calls += 1
             return out
         # Outside the except block, so that the user's exception is not
@@ -401,7 +436,7 @@ class RootState:
         if not compat.is_graph_break(error):
             raise error
         reason = compat.graph_break_reason(error)
-        if self.calls or self.on_graph_break is None:
+        if self.calls or self.backend is None:
             raise NotImplementedError(
                 "fxshard: a graph break appeared after the first call (a recompile for new input shapes or "
                 "modes). fxshard chooses how to gather on the first call, the same on every rank, and cannot "
@@ -413,9 +448,10 @@ class RootState:
         if self.shards.kept is not None:  # the sequencer gathers on every call
             self.shards.kept.drop()
         self.graph_break_reason = reason
-        self.on_graph_break(error)
+        self.backend.graph_break_reason = reason  # for the summaries of the graphs to come
+        module.compile(backend=self.backend, fullgraph=False)
         self.sequenced = True
-        return self._call(module, base, args, kwargs)
+        return self._outer_call(module, base, args, kwargs)
 
     def _raise_eagerly(self, failed: Exception, module: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
         """Raise what the user's forward raises, as it raises it. Dynamo

@@ -109,3 +109,41 @@ def test_torchs_error_about_logging_fxshards_config_is_dropped():
         log.removeHandler(handler)
     messages = [str(r.exc_info[1]) for r in records]
     assert messages == ["something else", "'<' not supported between instances of 'function' and 'function'"]
+
+
+def test_a_backward_that_raises_does_not_silence_later_ones():
+    """The engine drops the end-of-backward callbacks of a backward that
+    raises; the next backward that asks must queue its own (a flag left set
+    by the failed one once dropped every later reduce)."""
+    ran = []
+    at_end = compat.AtBackwardEnd(lambda: ran.append(len(ran)))
+
+    class Asks(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fail):
+            ctx.fail = fail
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            at_end.queue()
+            at_end.queue()  # once per backward
+            if ctx.fail:
+                raise RuntimeError("on purpose")
+            return grad, None
+
+    x = torch.ones(2, requires_grad=True)
+    Asks.apply(x, False).sum().backward()
+    assert ran == [0] and not at_end.abandoned()
+    try:
+        Asks.apply(x, True).sum().backward()
+    except RuntimeError:
+        pass
+    assert ran == [0]
+    Asks.apply(x, False).sum().backward()
+    assert ran == [0, 1]
+    try:
+        Asks.apply(x, True).sum().backward()
+    except RuntimeError:
+        pass
+    assert not compat.in_backward() and at_end.abandoned() and not at_end.abandoned()

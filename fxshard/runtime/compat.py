@@ -71,7 +71,8 @@ __all__ = [
     "is_checkpoint_region",
     "make_boxed_func",
     "make_fx",
-    "queue_backward_callback",
+    "in_backward",
+    "AtBackwardEnd",
     "skip_as_top_frame",
     "min_cut_rematerialization_partition",
 ]
@@ -206,9 +207,39 @@ def graph_break_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def queue_backward_callback(fn: Callable[[], None]) -> None:
-    """Run ``fn`` when the running backward pass ends (call from inside it)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+def in_backward() -> bool:
+    """Whether this thread runs inside a backward pass (a hook, a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class AtBackwardEnd:
+    """Runs ``fn`` once at the end of each backward that calls ``queue()``.
+
+    The autograd engine drops the callbacks of a backward that raises, so
+    "queued" is kept per backward (its graph task id), never as a flag that a
+    failed backward would leave set, silencing every later one."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self._task: int | None = None  # the backward it is queued in, until it runs
+
+    def queue(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+            self._task = task
+
+    def _run(self) -> None:
+        self._task = None
+        self.fn()
+
+    def abandoned(self) -> bool:
+        """Whether it was queued in a backward that ended without running it
+        (that backward raised). Ask outside any backward; this forgets it."""
+        if self._task is None or torch._C._current_graph_task_id() != -1:
+            return False
+        self._task = None
+        return True
 
 
 def is_checkpoint_region(node: Any) -> bool:

@@ -55,13 +55,11 @@ class GradStore:
         _STORES[plan] = self  # the markers of the model's reads name its plan
         self.grads: dict[int, torch.Tensor] = {}
         self._reduce_leftover = reduce_leftover  # (plan index, full gradient): reduce it into .grad
-        self._after_add = after_add  # called when a backward that added gradients ends
-        self._flush_queued = self._add_queued = False
+        self._added = compat.AtBackwardEnd(after_add)  # when a backward that added gradients ends
+        self._leftovers = compat.AtBackwardEnd(self._reduce_leftovers)
 
     def add(self, index: int, grad: torch.Tensor, dtype: torch.dtype) -> None:
-        if not self._add_queued:
-            compat.queue_backward_callback(self._added)
-            self._add_queued = True
+        self._added.queue()
         held = self.grads.get(index)
         if held is None:
             self.grads[index] = grad.to(dtype, copy=True)  # a compiled graph may reuse grad's memory
@@ -69,18 +67,11 @@ class GradStore:
             held.add_(grad)
 
     def take(self, index: int, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not self._flush_queued:
-            compat.queue_backward_callback(self._reduce_leftovers)
-            self._flush_queued = True
+        self._leftovers.queue()
         held = self.grads.pop(index, None)
         return grad.to(dtype, copy=True) if held is None else held.add_(grad)
 
-    def _added(self) -> None:
-        self._add_queued = False
-        self._after_add()
-
     def _reduce_leftovers(self) -> None:
-        self._flush_queued = False
         for index in sorted(self.grads):
             self._reduce_leftover(index, self.grads.pop(index))
 

@@ -102,7 +102,7 @@ class Sequencer:
         self._calls = itertools.count()
         self._current: _Call | None = None
         self._pending: dict[int, _Call] = {}  # grad-mode calls whose reduces wait for backward
-        self._flush_queued = False
+        self._flush = compat.AtBackwardEnd(self.flush)
         self._held: dict[int, torch.Tensor] = {}  # gradients of calls without sync, summed per parameter
         self.after_hold: Callable[[], None] | None = None  # called when a flush kept gradients
         self.gathers = self.reduces = 0  # collectives issued, for tests and logs
@@ -165,13 +165,10 @@ class Sequencer:
             call.grads[k] += grad.to(dtype)
         else:
             call.grads[k] = grad.to(dtype, copy=True)  # a compiled graph may reuse grad's memory
-        if not self._flush_queued:
-            compat.queue_backward_callback(self.flush)
-            self._flush_queued = True
+        self._flush.queue()
 
     def flush(self) -> None:
         """Reduce every pending call's gradients, in plan order (see the Note)."""
-        self._flush_queued = False
         trainable = [k for k, e in enumerate(self.entries) if e.trainable()]
         for call_id in sorted(self._pending):
             call = self._pending.pop(call_id)
@@ -205,6 +202,18 @@ class Sequencer:
                     local = e.local()
                     grad = local.new_zeros(e.full_shape, dtype=e.reduce_dtype or e.dtype or local.dtype)
                 self.reduce_one(k, grad)
+
+    def drop_failed_backward(self) -> int:
+        """After a backward that raised (its flush never ran), drop the
+        gradients it gave the calls it reached, as ``zero_grad`` after a failed
+        step would: a later flush must not reduce them with the next step's.
+        How many calls; ask outside any backward."""
+        if not self._flush.abandoned():
+            return 0
+        failed = [call_id for call_id, call in self._pending.items() if call.grads]
+        for call_id in failed:
+            self._pending.pop(call_id).full.clear()
+        return len(failed)
 
     def drop_held(self) -> None:
         self._held.clear()

@@ -373,6 +373,37 @@ class Units:
             out.div_(self.world_size)
         return out.to(self.units[unit].shard_dtype)
 
+    def drain(self) -> int:
+        """Wait for every collective still in flight and forget it; how many
+        there were. Nothing is in flight between two calls of a model unless
+        one raised (see [Note: a call that raises])."""
+        left = list(self._pending.values())
+        self._pending.clear()
+        for work, *_ in left:  # what they read and write stays referenced until then
+            work.wait()
+        return len(left)
+
+
+# [Note: a call that raises]
+# A graph issues each collective and waits for it later in the same graph
+# (one gather per unit per graph, the reduces before the graph ends). A call
+# that raises in between (out of memory, a bad index, an interrupt) leaves
+# its issued collectives in flight, and the next gather or reduce of the same
+# unit would find its key taken. So the root drains the units when its
+# outermost call raises, and before each outermost call (a backward that
+# raised has no call of its own to end; ``sharding.RootState._recover``).
+# Draining waits: an NCCL collective writes into its output until it is
+# done, and the other ranks issued the same collectives where the error is
+# the same on every rank (an error on one rank only leaves the others waiting
+# in a collective, as in any SPMD program).
+#
+# A backward that raises gives no gradient: the reduces it issued are waited
+# for and dropped, and the sequencer drops what it gave sequenced calls
+# (``Sequencer.drop_failed_backward``), as ``zero_grad`` after the failure
+# would. The engine drops the end-of-backward callbacks of a backward that
+# raises, so what runs there is queued per backward (``compat.AtBackwardEnd``),
+# never behind a flag that the failed backward would leave set.
+
 
 def units_of(units_id: int) -> Units:
     return _UNITS[units_id]
