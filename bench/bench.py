@@ -27,6 +27,8 @@ SDPA, SwiGLU, untied output), built from the same seed:
 - ``fxshard_graph`` (not in the default set): the whole step (forward,
   backward, optimizer, zero_grad) in ``fxshard.cuda_graph``: two eager steps,
   a capture, then replays; the timed steps are replays only;
+- ``fxshard_graph_none`` (not in the default set): ``fxshard_graph`` with
+  ``zero_grad(set_to_none=True)``, the form the README recommends;
 - ``fxshard_capturable`` (not in the default set): ``fxshard_graph``'s step
   uncaptured, so that the two differ by the graph alone;
 - ``compile_graph`` (one GPU only, not in the default set): plain torch, no
@@ -108,6 +110,7 @@ FXSHARD_VARIANTS = {
     "fxshard_r2": {"reduces_in_flight": 2},  # two reduce-scatters in flight, two reduce inputs alive
     "fxshard_capturable": {},  # fxshard_graph's step, uncaptured
     "fxshard_graph": {},  # the step in fxshard.cuda_graph
+    "fxshard_graph_none": {},  # fxshard_graph with zero_grad(set_to_none=True) in the step
     "fxshard_shard_frozen": {"shard_frozen": True},  # with --frozen-layers: the tower sharded, not replicated
     "fxshard_no_sync": {},  # with --micro-batches: only the last micro-batch reduces
     "fxshard_zero2": {"zero_stage": 2},  # gathered weights kept from forward to backward
@@ -121,9 +124,11 @@ ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS, *REFERENCE)))
 # [Note: a step a CUDA graph can replay] A replay reuses the captured
 # addresses and launches no host work: the optimizer keeps its step count on
 # the GPU (AdamW capturable=True), and zero_grad keeps the gradient tensors
-# (set_to_none=False). fxshard_capturable runs that same step uncaptured.
-CAPTURABLE = ("fxshard_capturable", "fxshard_graph", "compile_graph")
-GRAPHED = ("fxshard_graph", "compile_graph")
+# (set_to_none=False; fxshard_graph_none zeroes them to None instead, so the
+# captured backward's gradients become .grad in the graph's pool).
+# fxshard_capturable runs fxshard_graph's step uncaptured.
+CAPTURABLE = ("fxshard_capturable", "fxshard_graph", "fxshard_graph_none", "compile_graph")
+GRAPHED = ("fxshard_graph", "fxshard_graph_none", "compile_graph")
 GRAPH_WARMUP = 2  # fxshard.cuda_graph(warmup=...): eager calls; the next one captures, later ones replay
 GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent")
 DEVICE = "cuda"
@@ -168,7 +173,7 @@ def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
 
 def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
     """One training step, ``step(tokens) -> loss`` (see [Note: a step a CUDA graph can replay])."""
-    set_to_none = system not in CAPTURABLE
+    set_to_none = system not in CAPTURABLE or system == "fxshard_graph_none"
 
     def train_step(tokens: torch.Tensor) -> torch.Tensor:
         losses = []

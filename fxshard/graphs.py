@@ -24,8 +24,8 @@ How it is made safe:
   non-tensor argument raises instead of replaying stale values.
 - A replay reads the tensors that existed at capture: every parameter shard,
   gradient and optimizer state. Each call checks they are still the same
-  tensors (a checkpoint load into new tensors, ``zero_grad(set_to_none=True)``
-  outside the step) and that the optimizers' plain-number settings (a float
+  tensors (a checkpoint load into new tensors, ``zero_grad()`` outside the
+  step) and that the optimizers' plain-number settings (a float
   learning rate a scheduler changes) did not move; either raises, naming
   ``reset()``, which captures again on the next call.
 
@@ -338,8 +338,8 @@ class CapturedStep:
                 "fxshard.cuda_graph: a parameter shard, gradient or optimizer state the step was captured with was "
                 "replaced by another tensor (loading a checkpoint into new tensors, zero_grad(set_to_none=True) or "
                 "setting .grad outside the step, a new optimizer state), so a replay would read the old one. Call "
-                "step.reset() after such a change to capture again, and zero gradients inside the step with "
-                "zero_grad(set_to_none=False)"
+                "step.reset() after such a change to capture again, and zero gradients inside the step "
+                "(opt.zero_grad() there is fine)"
             )
         for opt, before in zip(optimizers, self._settings):
             now = _plain_settings(opt)
@@ -371,7 +371,8 @@ def cuda_graph(fn: Callable[..., Any] | None = None, *, warmup: int = 2) -> Any:
     ``torch.cuda.make_graphed_callables``). Needs CUDA, NCCL, models that
     fxshard compiled to one graph, and capturable optimizers
     (``AdamW(..., fused=True, capturable=True)``); zero gradients inside the
-    step with ``zero_grad(set_to_none=False)``. ``reset()`` frees the graph.
+    step (``opt.zero_grad()``: the captured gradients then live in the
+    graph's pool, with no second persistent set). ``reset()`` frees the graph.
     """
     if fn is None:
         return functools.partial(cuda_graph, warmup=warmup)

@@ -6,7 +6,8 @@ Used by ``tests/test_cuda_graph_gpu.py`` (NCCL on 2 GPUs) and
 The bitwise checks build two models alike (same seed, same options) and train
 one in a plain loop and the other through ``fxshard.cuda_graph``, on the same
 batches (a new one each step), with the same fused, capturable AdamW and
-``zero_grad(set_to_none=False)`` on both sides. Every step's loss, and after
+the same ``zero_grad`` on both sides (``set_to_none=False``, or True
+where the case says). Every step's loss, and after
 the steps every parameter's local shard and every optimizer state tensor,
 must be bitwise equal: a replay runs the kernels and collectives the plain
 step runs, on the same data.
@@ -84,6 +85,9 @@ class Case:
     # >0: the captured function is one micro-batch's forward and backward, called
     # this many times per optimizer step, which runs outside the graph.
     calls_per_step: int = 0
+    # zero_grad(set_to_none=...) after each optimizer step: True lets the
+    # captured backward's gradients become .grad, in the graph's pool.
+    set_to_none: bool = False
 
 
 def _small_llama() -> nn.Module:
@@ -149,6 +153,11 @@ CASES: dict[str, Case] = {
     "strategies-zero1-step_outside-llama": Case(**LLAMA, compile_kwargs=dict(zero_stage=1), calls_per_step=4, steps=12),
     "strategies-hsdp-replicate-llama": Case(**LLAMA, hsdp="replicate", prepare=_freeze_and_replicate),
     "strategies-hsdp-shard-hybrid": Case(**HYBRID, hsdp="shard", micro_batches=3, steps=8, no_sync=True),
+    "bitwise-grads_none-llama-bf16": Case(**LLAMA, set_to_none=True, compile_kwargs=dict(mp_policy=BF16)),
+    "bitwise-grads_none-hybrid": Case(**HYBRID, set_to_none=True, micro_batches=3, steps=8, no_sync=True),
+    "memory-grads_none-llama": Case(
+        make_model=_activation_llama, loss=_logits_loss, vocab=1000, batch=(4, 512), steps=3, set_to_none=True
+    ),  # fmt: skip
     "memory-hybrid": Case(make_model=_wide_hybrid, loss=_inside_loss, vocab=1001, batch=(4, 256), steps=3),
     "memory-llama": Case(make_model=_activation_llama, loss=_logits_loss, vocab=1000, batch=(4, 512), steps=3),
 }
@@ -193,7 +202,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, case: Case) -> Call
             loss = torch.stack(losses).sum()
         if not case.calls_per_step:
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=case.set_to_none)
         return loss.detach()
 
     return step
@@ -241,7 +250,7 @@ def bitwise_check(rank: int, world_size: int, name: str, backend: str | None = N
             out.append(step(*batch).clone())
             if case.calls_per_step and (i + 1) % case.calls_per_step == 0:
                 opt.step()
-                opt.zero_grad(set_to_none=False)
+                opt.zero_grad(set_to_none=case.set_to_none)
         return out
 
     plain_losses, graph_losses = losses(plain_step, plain[1]), losses(graph_step, graphed[1])
