@@ -16,6 +16,18 @@ seed, the full parameter is what the unsharded model would hold, at any
 world size. Views and ``.data`` of the value are ``GatheredParameter`` too,
 so a write through them lands as well.
 
+A value held across a change of its parameter (``w = module.weight``, then
+an optimizer step, or a write to the shard by other means) is a stale copy,
+where plain PyTorch's would be the parameter itself: read, it would give the
+old values, and written, it would put them back over the change. So each
+value knows the shard it came from and that shard's state at the read
+(``Source``: the local tensor's version, and the steps of optimizers holding
+it, since fused optimizers write without bumping versions); any use once
+either moved raises, naming the fix: read ``module.weight`` again. A write
+through the value (or an alias of it) moves the state itself and renews it.
+A CUDA-graph replay steps the optimizer without any hook: values held across
+replays are not checked.
+
 Meta-device init builds on this: after ``model.to_empty(device=...)`` a
 parameter has no values yet, so reading it returns an uninitialized full
 tensor without a collective, and the first write makes it initialized. The
@@ -32,12 +44,53 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, shard_range
 
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
+
+
+_STEP_HOOK: Any = None  # counts optimizer steps of shards, once a gathered value exists (see the Note)
+
+
+def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, ShardParameter):
+                p.optimizer_steps += 1
+
+
+class Source:
+    """The shard a gathered value was read from, and its state at the read
+    (see [Note: writes to gathered parameters])."""
+
+    def __init__(self, param: ShardParameter, fqn: str) -> None:
+        global _STEP_HOOK
+        if _STEP_HOOK is None:
+            _STEP_HOOK = register_optimizer_step_post_hook(_count_steps)
+        self.param, self.fqn = param, fqn
+        self.state = self._now()
+
+    def _now(self) -> tuple[int, int, int]:
+        local = compat.local_tensor(self.param)
+        return id(local), local._version, self.param.optimizer_steps
+
+    def check(self) -> None:
+        now = self._now()
+        if now[0] != self.state[0]:  # the shard moved to other memory, same values (units' slots)
+            self.state = now
+        elif now != self.state:
+            raise ValueError(
+                f"this full value of {self.fqn!r} was read (module.{self.fqn.rpartition('.')[2]}) before the "
+                "parameter changed (an optimizer step, or a write to it); fxshard gathers a copy on each read, "
+                "so a value held across a change is stale, where PyTorch's would be the parameter itself. "
+                "Read the attribute again after the change, or .clone() the value to keep a snapshot"
+            )
+
+    def renew(self) -> None:
+        self.state = self._now()
 
 
 class GatheredParameter(torch.Tensor):
@@ -46,11 +99,15 @@ class GatheredParameter(torch.Tensor):
 
     _fxshard_sink: Sink
     _fxshard_root: torch.Tensor  # a plain alias of the gathered storage
+    _fxshard_source: Source | None  # None: the value is the local tensor itself (a replicated parameter)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         seen = [a for a in _tensor_args(args, kwargs) if isinstance(a, GatheredParameter)]
+        for a in seen:
+            if a._fxshard_source is not None:
+                a._fxshard_source.check()
         with compat.disable_torch_function_subclass():
             before = [(a._version, a.untyped_storage().data_ptr()) for a in seen]
             out = func(*args, **kwargs)
@@ -59,6 +116,10 @@ class GatheredParameter(torch.Tensor):
                     a._fxshard_sink(a)
                 elif a._version != version:
                     a._fxshard_sink(a._fxshard_root)
+                else:
+                    continue
+                if a._fxshard_source is not None:
+                    a._fxshard_source.renew()
         return _wrap_aliases(out, seen)
 
 
@@ -82,14 +143,18 @@ def _wrap_aliases(out: Any, seen: list[GatheredParameter]) -> Any:
     ptr = out.untyped_storage().data_ptr() if out.layout == torch.strided else None
     for a in seen:
         if ptr is not None and ptr == a._fxshard_root.untyped_storage().data_ptr():
-            return gathered_parameter(out, a._fxshard_root, a._fxshard_sink)
+            return gathered_parameter(out, a._fxshard_root, a._fxshard_sink, a._fxshard_source)
     return out
 
 
-def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink) -> GatheredParameter:
+def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink,
+                       source: Source | None) -> GatheredParameter:  # fmt: skip
+    """``value`` (an alias of ``root``) as a ``GatheredParameter`` whose
+    writes go to ``sink``; ``source``: the shard it was gathered from, shared
+    by its aliases (None where ``root`` is the local tensor itself)."""
     with compat.disable_torch_function_subclass():
         wrapped = value.as_subclass(GatheredParameter)
-    wrapped._fxshard_root, wrapped._fxshard_sink = root, sink
+    wrapped._fxshard_root, wrapped._fxshard_sink, wrapped._fxshard_source = root, sink, source
     return wrapped
 
 
@@ -106,6 +171,7 @@ class ShardParameter(DTensor):
     # Materialized from the meta device by ``to_empty`` and not written yet:
     # reading it gathers nothing (see [Note: writes to gathered parameters]).
     uninitialized: bool = False
+    optimizer_steps: int = 0  # steps of optimizers holding it, counted once gathered values exist
 
     @property
     def data(self) -> torch.Tensor:

@@ -268,12 +268,12 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         param = module._parameters[attr]
         if spec.replicated:  # the local tensor is the full one: writes land in it
             local = compat.local_tensor(param)
-            return param_writes.gathered_parameter(local, local, param.write_full)
+            return param_writes.gathered_parameter(local, local, param.write_full, None)
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
             full = _gather(param.to_local(), spec, as_stored, index)
-        return param_writes.gathered_parameter(full, full, param.write_full)
+        return param_writes.gathered_parameter(full, full, param.write_full, param_writes.Source(param, spec.fqn))
 
     compat.skip_as_top_frame(get.__code__)
     return property(get, doc=f"The full parameter {spec.fqn!r}, gathered from its shards.")

@@ -86,6 +86,36 @@ def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     return {}
 
 
+def held_values_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
+    """A ``module.weight`` value held across changes (see [Note: writes to
+    gathered parameters]): usable while its parameter is unchanged (the first
+    call moving the shard into a unit's slot is no change), a write through
+    an alias of it lands, and once an optimizer step or another write changed
+    the parameter, any use raises instead of reading or writing back old values."""
+    torch.manual_seed(0)
+    model = fxshard.compile(_mlp(), backend="aot_eager", zero_stage=zero_stage, unit_mb=0.0001)
+    held = model[2].weight
+    alias = held.data
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
+    model(x).sum().backward()
+    torch.testing.assert_close(held, model[2].weight)
+    with torch.no_grad():
+        alias.mul_(2.0)
+    torch.testing.assert_close(held, model[2].weight, msg="a write through an alias renews the held value")
+    stale = "read .* before the parameter changed.*Read the attribute again"
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # fused optimizers bump no version: counted by a hook
+    after_step = model[2].weight.detach().clone()
+    with pytest.raises(ValueError, match=stale), torch.no_grad():
+        held.mul_(1.0)  # would put the values before the step back
+    torch.testing.assert_close(model[2].weight, after_step)
+    fresh = model[2].weight
+    with torch.no_grad():
+        model[2].weight.add_(1.0)  # another value writes the shard
+        with pytest.raises(ValueError, match=stale):
+            fresh.sum()
+    return {}
+
+
 def optimizer_before_compile_check(rank: int, world_size: int) -> dict:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters())
@@ -175,7 +205,8 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
-              "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1),
+              "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
+              "held_values_zero1": lambda r, ws: held_values_check(r, ws, zero_stage=1),
               "meta_init_trains_zero1": lambda r, ws: meta_init_check(r, ws, train=True, zero_stage=1)}  # fmt: skip
     for name in names:
         checks[name](rank, world_size)
@@ -187,7 +218,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
 # [Note: full_cpu]; 2 and 4 always (uneven rows at 2, an empty shard at 4).
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full_cpu)])
 def test_writes_optimizers_and_conversions(world_size):
-    names = ["writes", "optimizer_before_compile", "conversions", "writes_zero1"]
+    names = ["writes", "optimizer_before_compile", "conversions", "writes_zero1", "held_values", "held_values_zero1"]
     check_results(run_ranks(world_size, run_checks, names))
 
 
