@@ -266,16 +266,19 @@ def _count_group(mesh: DeviceMesh) -> str:
 _COMPILES: dict[str, int] = {}
 
 
-def _graph_agreement(mesh: DeviceMesh) -> rank_checks.GraphAgreement | None:
+def _graph_agreement(mesh: DeviceMesh, what: str = "graphs") -> rank_checks.GraphAgreement | None:
     """What compares each graph's collectives across ranks before it first
-    runs (see [Note: ranks agree on each graph]); None where there is
-    nothing to compare (one rank, the fake group)."""
-    group_name = mesh.get_group().group_name
-    if mesh.size() == 1 or compat.group_backend(group_name) == "fake":
+    runs (see [Note: ranks agree on each graph]): over every rank of the
+    mesh, replicas of an HSDP mesh included, since their gradients are
+    averaged together. None where there is nothing to compare (one rank, the
+    fake group)."""
+    flat = compat.flat_mesh(mesh)
+    group_name = flat.get_group().group_name
+    if flat.size() == 1 or compat.group_backend(group_name) == "fake":
         return None
     n = _COMPILES[group_name] = _COMPILES.get(group_name, -1) + 1
-    return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/graphs/{group_name}/{n}",
-                                      mesh.get_local_rank(), mesh.size())  # fmt: skip
+    return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/{what}/{group_name}/{n}",
+                                      flat.get_local_rank(), flat.size())  # fmt: skip
 
 
 def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
@@ -447,7 +450,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                            explicit)  # fmt: skip
         if shards.size() > 1:
             unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name)
-        compiled = FXShardBackend(spec, unit_plan, _graph_agreement(shards))
+        compiled = FXShardBackend(spec, unit_plan, _graph_agreement(mesh))
+        if state.shards.kept is not None:
+            state.shards.kept.agreement = _graph_agreement(mesh, "zero1")
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)

@@ -48,6 +48,7 @@ from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore, accumulated_dtype
+from fxshard.runtime.rank_checks import GraphAgreement
 
 _LIVE: weakref.WeakSet[KeptParams] = weakref.WeakSet()
 _HOOK: Any = None
@@ -76,6 +77,9 @@ class KeptParams:
         self.stale = True
         self._seen: tuple | None = None  # version counters at the last gather
         self.gathers = 0  # for tests and logs
+        # Compares, across ranks, which copies a backward reduces, before it
+        # reduces (see _KeptFull.backward); None on one rank or the fake group.
+        self.agreement: GraphAgreement | None = None
         _LIVE.add(self)
         if _HOOK is None:
             _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
@@ -165,6 +169,13 @@ class _KeptFull(torch.autograd.Function):
             return (None, None, None, None, *as_dtensor_grads(tuple(zeros), ctx.metas, None))
         if ctx.phase == FLUSH:
             got = {i: ctx.store.take(i, g, accumulated_dtype(kept.specs[i])) for i, g in got.items()}
+        if kept.agreement is not None:
+            # The reduces coalesce what got a gradient: ranks whose graphs
+            # differ (a branch on the rank) would pair one parameter's
+            # gradient with another's. Graphs read the copies as plain
+            # inputs, so the graphs' own agreement does not see them.
+            kept.agreement.check("ZeRO-1's reduce after backward",
+                                 ("ZeRO-1 reduce", *(f"gradient of {kept.specs[i].fqn!r}" for i in got)))  # fmt: skip
         shards: list[torch.Tensor | None] = [None] * len(grads)
         where = {i: j for j, i in enumerate(ctx.indices)}
         for bucket in kept._buckets(list(got), accumulated_dtype):

@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from fxshard.runtime.rank_checks import RankMismatchError
@@ -71,6 +72,27 @@ def shape_branch_differs(rank: int, world_size: int) -> None:
     assert model.fxshard_plan.units.units[0].slots is None, "no graph may have run"
 
 
+def shape_branch_differs_zero1(rank: int, world_size: int) -> None:
+    """ZeRO-1's graphs read the full copies as plain inputs and issue no
+    collective: the reduce after backward compares what it reduces, and
+    raises before pairing rank 0's ``a`` gradients with rank 1's ``b``."""
+    torch.manual_seed(0)
+    model = fxshard.compile(rank_check_models.Branchy(), backend="aot_eager", zero_stage=1)
+    x = torch.randn(2, 12 if rank == 0 else 4, 6)
+    _raises_on_every_rank(lambda: model(x).sum().backward(), RankMismatchError, "'a.weight'", "ZeRO-1")
+
+
+def shape_branch_differs_across_replicas(rank: int, world_size: int, zero_stage: int) -> None:
+    """HSDP 2 x 2: the ranks of each shard group agree, the two replicas take
+    different branches; their gradients are averaged together, so the ranks
+    of the whole mesh must agree."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fxshard.compile(rank_check_models.Branchy(), mesh, backend="aot_eager", zero_stage=zero_stage)
+    x = torch.randn(2, 12 if rank < 2 else 4, 6)
+    _raises_on_every_rank(lambda: model(x).sum().backward(), RankMismatchError, "'a.weight'")
+
+
 def shape_branch_same(rank: int, world_size: int) -> None:
     """Different shapes that take the same branch agree: training runs, and a
     later recompile on one rank only (same collectives) does not wait."""
@@ -114,7 +136,8 @@ def gpt2_one_graph(rank: int, world_size: int) -> None:
 
 
 GLOO_CHECKS = {f.__name__: f for f in (different_init, same_init_one_changed_value, different_architecture,
-                                       shape_branch_differs, shape_branch_same, gpt2_one_graph)}  # fmt: skip
+                                       shape_branch_differs, shape_branch_differs_zero1, shape_branch_same,
+                                       gpt2_one_graph)}  # fmt: skip
 
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
@@ -143,6 +166,16 @@ def test_ranks_that_disagree(gloo_run, check):
         pytest.skip("needs transformers")
     failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(gloo_run) if res[check] is not None]
     assert not failures, "\n".join(failures)
+
+
+def replicas_disagree(rank: int, world_size: int) -> None:
+    for zero_stage in (3, 1):
+        shape_branch_differs_across_replicas(rank, world_size, zero_stage)
+        torch._dynamo.reset()
+
+
+def test_hsdp_replicas_that_disagree():
+    check_results(run_ranks(4, replicas_disagree, timeout=300))
 
 
 def read_on_one_rank(rank: int, world_size: int) -> None:

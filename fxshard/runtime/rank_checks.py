@@ -62,9 +62,9 @@ def _first_difference(mine: Sequence[str], theirs: Sequence[str]) -> tuple[int, 
     return -1, "", ""
 
 
-_HINT = ("Ranks compile different graphs when code branches on input shapes (`if x.shape[1] > 8:`) and the "
-         "ranks' inputs differ, or when the ranks' models differ: give every rank inputs that take the same "
-         "branches, or make the branch independent of the shapes")  # fmt: skip
+_HINT = ("Ranks compile different graphs when code branches on input shapes (`if x.shape[1] > 8:`) or on a "
+         "Python value (the rank, an argument) that differs between ranks, or when the ranks' models differ: "
+         "give every rank inputs that take the same branches, or make the branch independent of them")  # fmt: skip
 
 
 class GraphAgreement:
