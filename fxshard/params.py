@@ -104,6 +104,12 @@ class GatheredParameter(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _REQUIRES_GRAD and isinstance(args[0], GatheredParameter):
+            # Freezing the value read is freezing the parameter, as in PyTorch
+            # (the value itself is not a leaf).
+            flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+            args[0]._fxshard_sink.__self__.requires_grad_(flag)
+            return args[0] if func is torch.Tensor.requires_grad_ else None
         seen = [a for a in _tensor_args(args, kwargs) if isinstance(a, GatheredParameter)]
         for a in seen:
             if a._fxshard_source is not None:
@@ -121,6 +127,9 @@ class GatheredParameter(torch.Tensor):
                 if a._fxshard_source is not None:
                     a._fxshard_source.renew()
         return _wrap_aliases(out, seen)
+
+
+_REQUIRES_GRAD = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:

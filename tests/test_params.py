@@ -116,6 +116,20 @@ def held_values_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     return {}
 
 
+def freeze_through_attribute_check(rank: int, world_size: int) -> dict:
+    """``module.weight.requires_grad_(False)`` (or ``= False``) freezes the
+    parameter, as in PyTorch, though the value read is a gathered copy."""
+    torch.manual_seed(0)
+    model = fxshard.compile(_mlp(), backend="aot_eager")
+    assert model[2].weight.requires_grad_(False) is not None
+    model[0].bias.requires_grad = False
+    assert not model[2]._parameters["weight"].requires_grad and not model[0]._parameters["bias"].requires_grad
+    model(torch.randn(6, 4, device=_device())).sum().backward()
+    trained = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert trained == {"0.weight", "2.bias"}, trained
+    return {}
+
+
 def optimizer_before_compile_check(rank: int, world_size: int) -> dict:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters())
@@ -206,6 +220,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
+              "freeze_through_attribute": freeze_through_attribute_check,
               "held_values_zero1": lambda r, ws: held_values_check(r, ws, zero_stage=1),
               "meta_init_trains_zero1": lambda r, ws: meta_init_check(r, ws, train=True, zero_stage=1)}  # fmt: skip
     for name in names:
@@ -218,7 +233,15 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
 # [Note: full_cpu]; 2 and 4 always (uneven rows at 2, an empty shard at 4).
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full_cpu)])
 def test_writes_optimizers_and_conversions(world_size):
-    names = ["writes", "optimizer_before_compile", "conversions", "writes_zero1", "held_values", "held_values_zero1"]
+    names = [
+        "writes",
+        "optimizer_before_compile",
+        "conversions",
+        "writes_zero1",
+        "held_values",
+        "held_values_zero1",
+        "freeze_through_attribute",
+    ]
     check_results(run_ranks(world_size, run_checks, names))
 
 
