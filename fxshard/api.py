@@ -439,6 +439,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     count_group = _count_group(mesh) if sharded_embeddings else ""
     state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager",
                              bucket_bytes=int(unit_mb * 2**20), count_group_name=count_group)  # fmt: skip
+    if mp_policy.cast_forward_inputs:
+        state.input_dtype = mp_policy.param_dtype
     if debug_dir:
         _write_plan(debug_dir, state.table)
     graphs: list[GraphRecord] = []

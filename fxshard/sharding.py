@@ -301,6 +301,7 @@ class RootState:
         self.backend: FXShardBackend | None = None  # see attach
         self.units: Units | None = None
         self._depth = 0  # root calls running, nested ones included
+        self.input_dtype: torch.dtype | None = None  # MixedPrecision.cast_forward_inputs: floating inputs cast to it
 
     def attach(self, backend: FXShardBackend | None, units: Units | None) -> None:
         """The compiler the root's calls run through (None for
@@ -348,10 +349,23 @@ class RootState:
         called = CALLED_ROOTS.get()
         if called is not None:
             called.append(module)
+        if self.input_dtype is not None:
+            args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         # Logging and prints in the forward are not graph breaks for fxshard's
         # compiles (see compat.debug_calls_in_traces).
         with compat.debug_calls_in_traces():
             return self._call(module, base, args, kwargs)
+
+    def _cast_inputs(self, value: Any) -> Any:
+        """Floating-point tensors in ``value`` (tensors, and lists, tuples and
+        dicts of them) in ``input_dtype``; everything else as it is."""
+        if isinstance(value, torch.Tensor):
+            return value.to(self.input_dtype) if value.is_floating_point() else value
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self._cast_inputs(v) for v in value)
+        if type(value) is dict:
+            return {k: self._cast_inputs(v) for k, v in value.items()}
+        return value
 
     def _phase(self) -> int:
         if not torch.is_grad_enabled():

@@ -24,6 +24,33 @@ def test_single_rank_without_process_group_just_works(no_dist, monkeypatch):
     assert model.weight.shape == (3, 4) and model._parameters["weight"].grad.shape == (3, 4)
 
 
+@pytest.mark.parametrize("cast", [True, False])
+def test_floating_inputs_are_cast_to_the_compute_dtype(no_dist, monkeypatch, cast):
+    """MixedPrecision(cast_forward_inputs=True), FSDP2's default: fp32 inputs
+    meet bf16 weights; integer ids and non-tensors are left alone."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, extra: dict, ids: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.lin(extra["y"]) + self.emb(ids)
+
+    mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32, cast_forward_inputs=cast)
+    model = fxshard.compile(Net(), mp_policy=mp, backend="aot_eager")
+    call = lambda: model(torch.randn(2, 4), {"y": torch.randn(2, 4)}, torch.tensor([1, 2]))  # noqa: E731
+    if not cast:
+        with pytest.raises(RuntimeError, match="dtype|same"):
+            call()
+        return
+    out = call()
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert model._parameters.get("lin") is None and model.lin._parameters["weight"].grad.dtype == torch.float32
+
+
 def test_mesh_must_be_one_or_two_dimensional(fake_pg):
     mesh = init_device_mesh("cpu", (2, 2, 1))
     with pytest.raises(ValueError, match=r"1-D \(shard over it\) or 2-D \(replicate, shard\)"):
