@@ -7,9 +7,9 @@ Optimizer state and ``.grad`` stay sharded: the optimizer steps on the
 shards, as at every stage. The copies are gathered at the start of the
 first call of the root module after the shards changed, so once per step:
 
-- an optimizer step marks them stale (a post-step hook of every
-  ``torch.optim.Optimizer``, registered once: fused optimizers write the
-  shards without bumping any version counter);
+- an optimizer step makes them stale, seen as a change of the shard's
+  count of optimizer steps (``params.count_optimizer_steps``: fused
+  optimizers write the shards without bumping any version counter);
 - so does any other write to a shard (``load_state_dict``, ``copy_``,
   ``fxshard.compile``'s write-through of gathered parameters), seen as a
   change of the DTensor's or its local tensor's version counter.
@@ -36,29 +36,17 @@ stages.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fxshard.params import as_dtensor_grads, dtensor_metas
+from fxshard.params import as_dtensor_grads, count_optimizer_steps, dtensor_metas
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore, accumulated_dtype
 from fxshard.runtime.rank_checks import GraphAgreement
-
-_LIVE: weakref.WeakSet[KeptParams] = weakref.WeakSet()
-_HOOK: Any = None
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for kept in list(_LIVE):
-        if kept.ids & stepped:
-            kept.stale = True
 
 
 class KeptParams:
@@ -67,32 +55,28 @@ class KeptParams:
     def __init__(self, specs: dict[int, ParamPlan], local_rows: dict[int, int], replicas: Replicas | None,
                  bucket_bytes: int) -> None:  # fmt: skip
         """``specs`` and ``local_rows`` (this rank's rows): by plan index."""
-        global _HOOK
+        count_optimizer_steps()
         self.specs = specs
         self.bucket_bytes = bucket_bytes  # of gathered values per all-gather or reduce-scatter
         self.local_rows = local_rows
         self.replicas = replicas
         self.full: dict[int, torch.Tensor] = {}
-        self.ids: set[int] = set()  # of the DTensor parameters, for the optimizer hook
-        self.stale = True
+        self.stale = True  # gather at the next refresh whatever the shards' state (a capture sets it)
         self._seen: tuple | None = None  # version counters at the last gather
         self.gathers = 0  # for tests and logs
         # Compares, across ranks, which copies a backward reduces, before it
         # reduces (see _KeptFull.backward); None on one rank or the fake group.
         self.agreement: GraphAgreement | None = None
-        _LIVE.add(self)
-        if _HOOK is None:
-            _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
     def refresh(self, params: list[DTensor]) -> None:
         """Gather the copies if a shard changed since the last gather (see the Note)."""
         mine = [params[i] for i in self.specs]
         locals_ = {i: compat.local_tensor(p) for i, p in zip(self.specs, mine)}
         # Objects too: to_empty and .data assignments replace tensors, whose new counters start over.
-        seen = tuple((id(p), p._version, id(local), local._version) for p, local in zip(mine, locals_.values()))
+        seen = tuple((id(p), p._version, id(local), local._version, p.optimizer_steps)
+                     for p, local in zip(mine, locals_.values()))  # fmt: skip
         if not self.stale and seen == self._seen:
             return
-        self.ids = {id(p) for p in mine}  # new objects change ``seen``, so this stays current
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
         with torch.inference_mode(False), torch.no_grad():
             for bucket in self._buckets(list(self.specs), lambda s: s.dtype or s.shard_dtype):

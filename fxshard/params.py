@@ -52,7 +52,17 @@ from fxshard.runtime.collectives import Replicas, shard_range
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
 
 
-_STEP_HOOK: Any = None  # counts optimizer steps of shards, once a gathered value exists (see the Note)
+_STEP_HOOK: Any = None
+
+
+def count_optimizer_steps() -> None:
+    """Count, from now on, the optimizer steps of every shard
+    (``ShardParameter.optimizer_steps``): fused optimizers write shards
+    without bumping any version counter, so a change of the shard is its
+    version or this count. Registered once, by the first that needs it."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(_count_steps)
 
 
 def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -67,9 +77,7 @@ class Source:
     (see [Note: writes to gathered parameters])."""
 
     def __init__(self, param: ShardParameter, fqn: str) -> None:
-        global _STEP_HOOK
-        if _STEP_HOOK is None:
-            _STEP_HOOK = register_optimizer_step_post_hook(_count_steps)
+        count_optimizer_steps()
         self.param, self.fqn = param, fqn
         self.state = self._now()
 
@@ -180,7 +188,7 @@ class ShardParameter(DTensor):
     # Materialized from the meta device by ``to_empty`` and not written yet:
     # reading it gathers nothing (see [Note: writes to gathered parameters]).
     uninitialized: bool = False
-    optimizer_steps: int = 0  # steps of optimizers holding it, counted once gathered values exist
+    optimizer_steps: int = 0  # steps of optimizers holding it, once counted (count_optimizer_steps)
 
     @property
     def data(self) -> torch.Tensor:

@@ -130,6 +130,24 @@ def freeze_through_attribute_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def zero1_fused_step_check(rank: int, world_size: int) -> dict:
+    """A fused optimizer writes the shards without bumping any version
+    counter: ZeRO-1's full copies must still be gathered again after its
+    step (the shards' step count, ``params.count_optimizer_steps``)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend="aot_eager", zero_stage=1)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in (model, ref))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())  # alike on every rank
+    for step in range(3):
+        out, ref_out = model(x), ref(x)
+        torch.testing.assert_close(out, ref_out, msg=f"step {step}: the copies must hold the stepped weights")
+        out.sum().backward(), ref_out.sum().backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return {}
+
+
 def optimizer_before_compile_check(rank: int, world_size: int) -> dict:
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters())
@@ -220,7 +238,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
-              "freeze_through_attribute": freeze_through_attribute_check,
+              "freeze_through_attribute": freeze_through_attribute_check, "zero1_fused_step": zero1_fused_step_check,
               "held_values_zero1": lambda r, ws: held_values_check(r, ws, zero_stage=1),
               "meta_init_trains_zero1": lambda r, ws: meta_init_check(r, ws, train=True, zero_stage=1)}  # fmt: skip
     for name in names:
@@ -241,6 +259,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "held_values",
         "held_values_zero1",
         "freeze_through_attribute",
+        "zero1_fused_step",
     ]
     check_results(run_ranks(world_size, run_checks, names))
 

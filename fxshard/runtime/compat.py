@@ -207,9 +207,14 @@ def graph_break_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+def _backward_task() -> int:
+    """The id of the backward pass this thread runs in; -1 outside any."""
+    return torch._C._current_graph_task_id()
+
+
 def in_backward() -> bool:
     """Whether this thread runs inside a backward pass (a hook, a recompute)."""
-    return torch._C._current_graph_task_id() != -1
+    return _backward_task() != -1
 
 
 class AtBackwardEnd:
@@ -224,7 +229,7 @@ class AtBackwardEnd:
         self._task: int | None = None  # the backward it is queued in, until it runs
 
     def queue(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = _backward_task()
         if task != self._task:
             torch.autograd.Variable._execution_engine.queue_callback(self._run)
             self._task = task
@@ -236,7 +241,7 @@ class AtBackwardEnd:
     def abandoned(self) -> bool:
         """Whether it was queued in a backward that ended without running it
         (that backward raised). Ask outside any backward; this forgets it."""
-        if self._task is None or torch._C._current_graph_task_id() != -1:
+        if self._task is None or in_backward():
             return False
         self._task = None
         return True
