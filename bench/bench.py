@@ -133,6 +133,7 @@ GRAPH_WARMUP = 2  # fxshard.cuda_graph(warmup=...): eager calls; the next one ca
 GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent")
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
+TRACE_DIR = os.environ.get("BENCH_TRACE_DIR")  # where rank 0 writes the profiled steps' Chrome trace
 MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
 MICRO_BATCHES = 1  # forward and backward per micro-batch of --batch, one optimizer step (--micro-batches)
 FROZEN_LAYERS = 0  # the embedding and this many first layers frozen: a frozen tower (--frozen-layers)
@@ -235,7 +236,7 @@ def tokens_for(step: int, rank: int, batch: int, vocab: int) -> torch.Tensor:
 def timed_steps(step, batches: list[torch.Tensor]) -> dict:
     """Runs ``step`` on each batch: times, losses, per-step peaks, and the
     profile and memory trace where asked for."""
-    out: dict = dict(times=[], losses=[], peaks=[], reserved=[], profiler=None, traced=None, phases={})
+    out: dict = dict(times=[], host=[], losses=[], peaks=[], reserved=[], profiler=None, traced=None, phases={})
     compat.compile_phase_times(reset=True)
     for i, tokens in enumerate(batches):
         if PROFILE and i == len(batches) - PROFILE:
@@ -246,6 +247,7 @@ def timed_steps(step, batches: list[torch.Tensor]) -> dict:
             base = memtrace.start()
         start = time.perf_counter()
         loss = step(tokens)
+        out["host"].append(time.perf_counter() - start)
         sync()
         out["times"].append(time.perf_counter() - start)
         out["losses"].append(loss.item())  # a graph's static output: read before the next call
@@ -304,6 +306,7 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
         tflops_per_gpu=flops / median / 1e12, peak_gib=max(run["peaks"], default=0) / 2**30,
         peak_reserved_gib=max(run["reserved"], default=0) / 2**30, first_step_s=times[0],
         loss_step10=losses[min(9, len(losses) - 1)], first_step_compile_s=run["phases"], losses=losses,
+        host_ms=statistics.median(run["host"][warmup:]) * 1e3,
         step_times_ms=[t * 1e3 for t in times], step_peaks_gib=[p / 2**30 for p in run["peaks"]],
         step_reserved_gib=[p / 2**30 for p in run["reserved"]],
     )  # fmt: skip
@@ -316,6 +319,8 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
         result.update(fxshard_plan_facts(model))
     if run["profiler"] is not None:
         result["profile"] = kernel_profile(run["profiler"], PROFILE)
+        if TRACE_DIR and rank == 0:
+            run["profiler"].export_chrome_trace(str(Path(TRACE_DIR) / f"trace-{name}-{system}.json"))
     return result
 
 
@@ -363,9 +368,16 @@ def kernel_profile(profiler, steps: int) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
     ordered = sorted(kernels, key=lambda e: e.time_range.start)
     gaps, reach, last = [], None, None
+    by_transition: dict[str, list[float]] = {}  # idle by (stream change, kinds before and after): [count, ms]
     for e in ordered:  # idle stretches: no kernel running between two kernels
         if reach is not None and e.time_range.start > reach:
-            gaps.append(((e.time_range.start - reach) / 1e3, last.name[:60], e.name[:60]))
+            gap = (e.time_range.start - reach) / 1e3
+            gaps.append((gap, last.name[:60], e.name[:60]))
+            streams = "same stream" if last.device_resource_id == e.device_resource_id else "other stream"
+            key = f"{streams}, {kernel_kind(last.name)} -> {kernel_kind(e.name)}"
+            entry = by_transition.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += gap
         if reach is None or e.time_range.end > reach:
             reach, last = e.time_range.end, e
     by_kind: dict[str, float] = {}
@@ -383,6 +395,10 @@ def kernel_profile(profiler, steps: int) -> dict:
         idle_ms=sum(g for g, *_ in gaps) / steps,
         idle_gaps=len(gaps) / steps,
         largest_gaps_ms=[list(g) for g in sorted(gaps, reverse=True)[: 4 * steps]],  # ms, kernel before, after
+        idle_by_transition={
+            k: [n / steps, ms / steps] for k, (n, ms) in sorted(by_transition.items(), key=lambda kv: -kv[1][1])[:12]
+        },  # fmt: skip
+        streams=len({e.device_resource_id for e in kernels}),
     )
     if not kernels:
         result["note"] = "the profiler listed no GPU kernels (CPU run, or CUDA graph replays not itemized)"
@@ -455,6 +471,11 @@ def details(r: dict) -> list[str]:
             largest = "; ".join(f"{g:.2f} after {a} before {b}" for g, a, b in p["largest_gaps_ms"][:6])
             lines.append(f"{name} GPU idle between kernels per step: {p['idle_ms']:.2f} ms in "
                          f"{p['idle_gaps']:.0f} gaps; largest: {largest}")  # fmt: skip
+        if p.get("idle_by_transition"):
+            where = "; ".join(f"{k}: {n:.0f} gaps, {ms:.2f} ms" for k, (n, ms) in p["idle_by_transition"].items())
+            lines.append(f"{name} idle per step by transition ({p['streams']} streams): {where}")
+    if "host_ms" in r:
+        lines.append(f"{name} host time per step until the call returned: {r['host_ms']:.2f} ms")
     phases = r.get("first_step_compile_s") or {}
     if phases:
         shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)

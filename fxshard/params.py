@@ -28,6 +28,16 @@ through the value (or an alias of it) moves the state itself and renews it.
 A CUDA-graph replay steps the optimizer without any hook: values held across
 replays are not checked.
 
+The value's ``.grad`` is the parameter's gradient, full, as in PyTorch
+(``GradAccess``): reading it gathers the shard's ``.grad`` (``None`` where
+the shard has none), writes to it land in the shard's ``.grad`` as writes to
+the value land in the shard, and assigning or deleting it sets the shard's.
+Without this, torch answers ``.grad`` of a non-leaf with ``None`` and drops
+what is assigned to it: ``model.fc.weight.grad`` would read ``None`` after
+a backward, and ``model.embed.weight.grad[:n] = 0`` would change nothing.
+A gathered gradient held across a change of the shard's gradient (a
+backward, ``zero_grad``) raises on use, as a held value does.
+
 Meta-device init builds on this: after ``model.to_empty(device=...)`` a
 parameter has no values yet, so reading it returns an uninitialized full
 tensor without a collective, and the first write makes it initialized. The
@@ -107,11 +117,14 @@ class GatheredParameter(torch.Tensor):
 
     _fxshard_sink: Sink
     _fxshard_root: torch.Tensor  # a plain alias of the gathered storage
-    _fxshard_source: Source | None  # None: the value is the local tensor itself (a replicated parameter)
+    _fxshard_source: Source | GradSource | None  # None: the value is the local tensor itself (replicated)
+    _fxshard_grad: GradAccess | None  # the whole value read from ``module.weight``; None for its aliases
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _GRAD_ACCESS and isinstance(args[0], GatheredParameter) and args[0]._fxshard_grad is not None:
+            return args[0]._fxshard_grad.access(func, args[1:])
         if func in _REQUIRES_GRAD and isinstance(args[0], GatheredParameter):
             # Freezing the value read is freezing the parameter, as in PyTorch
             # (the value itself is not a leaf).
@@ -138,6 +151,8 @@ class GatheredParameter(torch.Tensor):
 
 
 _REQUIRES_GRAD = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
+_GRAD_GET, _GRAD_SET = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
+_GRAD_ACCESS = (_GRAD_GET, _GRAD_SET, torch.Tensor.grad.__delete__)
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -164,15 +179,97 @@ def _wrap_aliases(out: Any, seen: list[GatheredParameter]) -> Any:
     return out
 
 
-def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink,
-                       source: Source | None) -> GatheredParameter:  # fmt: skip
+def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink, source: Source | GradSource | None,
+                       grad: GradAccess | None = None) -> GatheredParameter:  # fmt: skip
     """``value`` (an alias of ``root``) as a ``GatheredParameter`` whose
     writes go to ``sink``; ``source``: the shard it was gathered from, shared
-    by its aliases (None where ``root`` is the local tensor itself)."""
+    by its aliases (None where ``root`` is the local tensor itself);
+    ``grad``: what its ``.grad`` is, for the whole value read from the module."""
     with compat.disable_torch_function_subclass():
         wrapped = value.as_subclass(GatheredParameter)
     wrapped._fxshard_root, wrapped._fxshard_sink, wrapped._fxshard_source = root, sink, source
+    wrapped._fxshard_grad = grad
     return wrapped
+
+
+class GradAccess:
+    """``.grad`` of a parameter's full value read outside the forward: the
+    shard's gradient, gathered (see [Note: writes to gathered parameters]).
+    ``gather`` makes the full tensor of a local one, as the value's read does."""
+
+    def __init__(self, param: ShardParameter, fqn: str, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.param, self.fqn, self.gather = param, fqn, gather
+
+    def access(self, func: Any, args: tuple) -> Any:
+        if func == _GRAD_GET:
+            return self.read()
+        self.assign(args[0] if func == _GRAD_SET else None)
+        return None
+
+    def read(self) -> GatheredParameter | None:
+        grad = self.param.grad
+        if grad is None:
+            return None
+        local = compat.local_tensor(grad)
+        full = self.gather(local)
+        source = None if full is local else GradSource(self.param, self.fqn)
+        return gathered_parameter(full, full, self._write_rows, source)
+
+    def _write_rows(self, full: torch.Tensor) -> None:
+        grad = self.param.grad
+        rows = full[slice(*local_rows(self.param))] if self.param.dim() else full
+        with torch.no_grad(), compat.disable_torch_function_subclass():
+            compat.local_tensor(grad).copy_(rows)
+
+    def assign(self, value: torch.Tensor | None) -> None:
+        if value is None or isinstance(value, DTensor):
+            self.param.grad = value  # torch checks a DTensor's spec
+            return
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(self.param.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"the gradient of {self.fqn!r} (shape {tuple(self.param.shape)}) was given a value of shape "
+                f"{got}; give it the full gradient's shape (each rank keeps its own rows), or a DTensor "
+                "sharded like the parameter"
+            )
+        with compat.disable_torch_function_subclass():
+            rows = value[slice(*local_rows(self.param))] if self.param.dim() else value
+            # A copy: a DTensor's local tensor must start its storage (see
+            # [Note: units and flat shards] in fxshard/runtime/units.py).
+            rows = rows.detach().clone()
+        self.param.grad = DTensor.from_local(rows, self.param.device_mesh, self.param.placements, run_check=False,
+                                             shape=self.param.shape, stride=self.param.stride())  # fmt: skip
+
+
+class GradSource:
+    """The shard gradient a gathered gradient was read from, and its state
+    at the read: any change since (another tensor, an in-place write) makes
+    the gathered copy stale."""
+
+    def __init__(self, param: ShardParameter, fqn: str) -> None:
+        self.param, self.fqn = param, fqn
+        self.state = self._now()
+
+    def _now(self) -> tuple[weakref.ref | None, int]:
+        grad = self.param.grad
+        if grad is None:
+            return None, -1
+        local = compat.local_tensor(grad)
+        return weakref.ref(local), local._version
+
+    def check(self) -> None:
+        (ref, version), (now_ref, now_version) = self.state, self._now()
+        same = ref is not None and now_ref is not None and ref() is now_ref() and version == now_version
+        if not same:
+            raise ValueError(
+                f"this full gradient of {self.fqn!r} was read (module.{self.fqn.rpartition('.')[2]}.grad) before "
+                "the gradient changed (a backward, zero_grad, or a write to it); fxshard gathers a copy on each "
+                "read, so one held across a change is stale. Read .grad again after the change, or .clone() it "
+                "to keep a snapshot"
+            )
+
+    def renew(self) -> None:
+        self.state = self._now()
 
 
 class ShardParameter(DTensor):

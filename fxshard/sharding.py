@@ -95,6 +95,13 @@ class FXShardModule:
         # RootState.take), so parameters, units and optimizers keep their tensors.
         return param_writes.apply_to_shards(self, fn, self.__dict__[ROOT_STATE].take, recurse)
 
+    def get_parameter(self, target: str) -> nn.Parameter:
+        # The registered parameter, the shard, as ``named_parameters()`` gives
+        # it; torch's ``getattr`` would give the gathered full value and refuse it.
+        path, _, name = target.rpartition(".")
+        param = self.get_submodule(path)._parameters.get(name)
+        return param if param is not None else super().get_parameter(target)
+
     def __deepcopy__(self, memo: dict) -> nn.Module:
         raise NotImplementedError(
             "copy.deepcopy of a module that fxshard.compile sharded is not supported (its shards are tied to "
@@ -266,14 +273,21 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
         param = module._parameters[attr]
+        grad = param_writes.GradAccess(param, spec.fqn, gather_stored)
         if spec.replicated:  # the local tensor is the full one: writes land in it
             local = compat.local_tensor(param)
-            return param_writes.gathered_parameter(local, local, param.write_full, None)
+            return param_writes.gathered_parameter(local, local, param.write_full, None, grad)
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
             full = _gather(param.to_local(), spec, as_stored, index)
-        return param_writes.gathered_parameter(full, full, param.write_full, param_writes.Source(param, spec.fqn))
+        source = param_writes.Source(param, spec.fqn)
+        return param_writes.gathered_parameter(full, full, param.write_full, source, grad)
+
+    def gather_stored(local: torch.Tensor) -> torch.Tensor:
+        """A local tensor shaped like the shard (its gradient), full; a
+        replicated one is full already, and writes to it land in place."""
+        return local if spec.replicated else _gather(local, spec, as_stored, index)
 
     compat.skip_as_top_frame(get.__code__)
     return property(get, doc=f"The full parameter {spec.fqn!r}, gathered from its shards.")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fxshard
 from tests import cuda_graph_checks as checks
 from tests.distributed import check_results, run_ranks
 
@@ -30,3 +31,88 @@ def test_gloo_group_with_cuda_tensors(no_dist):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.cuda.set_device(0)
     checks.error_gloo_group_on_cuda(0, 1)
+
+
+def _held_after_a_step():
+    """A trained fxshard model on a one-rank gloo group, its AdamW, and what
+    a replay would read of them (``graphs._Held``)."""
+    from fxshard import graphs
+    from tests import models
+
+    torch.manual_seed(0)
+    model = fxshard.compile(models.Uneven(), backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 5)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return model, opt, graphs._Held([model], [opt])
+
+
+def _replace_param(model, opt):
+    model.b.weight = torch.nn.Parameter(torch.zeros(7, 3))
+
+
+def _set_grad(model, opt):
+    shard = model.get_parameter("b.weight")
+    shard.grad = torch.zeros_like(shard.grad)
+
+
+def _grads_to_none(model, opt):
+    opt.zero_grad(set_to_none=True)
+
+
+def _load_optimizer_state(model, opt):
+    opt.load_state_dict(opt.state_dict())
+
+
+def _replace_state_tensor(model, opt):
+    state = opt.state[model.get_parameter("c.bias")]
+    state["exp_avg"] = state["exp_avg"].clone()
+
+
+def _new_state_entry(model, opt):
+    opt.state[model.get_parameter("c.bias")]["extra"] = torch.zeros(())
+
+
+def _replace_local_shard(model, opt):
+    from fxshard.runtime import compat
+
+    p = model.get_parameter("a.weight")
+    compat.replace_local_tensor(p, compat.local_tensor(p).clone())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _replace_param,
+        _set_grad,
+        _grads_to_none,
+        _load_optimizer_state,
+        _replace_state_tensor,
+        _new_state_entry,
+        _replace_local_shard,
+    ],  # fmt: skip
+)
+def test_a_replay_notices_replaced_tensors(no_dist, monkeypatch, change):
+    """Each of these leaves a replay reading tensors the model and optimizer
+    no longer hold; ``CapturedStep`` raises on ``same() == False``."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, opt, held = _held_after_a_step()
+    assert held.same()
+    change(model, opt)
+    assert not held.same()
+
+
+def test_a_replay_accepts_writes_in_place(no_dist, monkeypatch):
+    """Writes that keep every tensor (another step, in-place zeroing, ``.data
+    =``, ``load_state_dict`` of the model) leave what a replay reads in place."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, opt, held = _held_after_a_step()
+    model(torch.randn(3, 5)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    with torch.no_grad():
+        model.b.weight.data = torch.ones(7, 3)
+        model.row.mul_(2.0)
+    model.load_state_dict(model.state_dict())
+    assert held.same()

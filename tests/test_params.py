@@ -116,6 +116,46 @@ def held_values_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     return {}
 
 
+def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
+    """``module.weight.grad`` is the parameter's full gradient, as in PyTorch
+    (see [Note: writes to gathered parameters]): read, written in place,
+    assigned and deleted, sharded (uneven rows) and replicated (``no_shard``),
+    each compared with the unsharded model doing the same."""
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    fxshard.no_shard(model[0].bias)
+    fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
+    assert model[2].weight.grad is None and model[0].bias.grad is None
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
+    for m in (model, ref):
+        m(x).pow(2).sum().backward()
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        module, attr = name.split(".")
+        got = getattr(model[int(module)], attr).grad
+        torch.testing.assert_close(got, getattr(ref[int(module)], attr).grad, msg=f"{name}.grad read")
+    held = model[2].weight.grad
+    with torch.no_grad():
+        for m in (model, ref):
+            m[2].weight.grad[1:] = 0.0  # e.g. freezing rows of an embedding
+            m[0].bias.grad.mul_(3.0)
+            m[0].weight.grad = torch.full_like(m[0].weight.grad, 0.5)
+        del model[2].bias.grad
+        ref[2].bias.grad = None
+    with pytest.raises(ValueError, match=r"full gradient of '2.weight' was read .* before the gradient changed"):
+        held.sum()
+    assert model.get_parameter("2.bias").grad is None
+    with pytest.raises(ValueError, match="full gradient's shape"):
+        model[0].weight.grad = torch.zeros(3)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        got = None if p.grad is None else p.grad.full_tensor()
+        torch.testing.assert_close(got, q.grad, atol=0, rtol=0, msg=f"{name}: the shard's gradient after writes")
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    _same(model, ref, "after a step on the written gradients")
+    return {}
+
+
 def freeze_through_attribute_check(rank: int, world_size: int) -> dict:
     """``module.weight.requires_grad_(False)`` (or ``= False``) freezes the
     parameter, as in PyTorch, though the value read is a gathered copy."""
@@ -239,6 +279,8 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
               "freeze_through_attribute": freeze_through_attribute_check, "zero1_fused_step": zero1_fused_step_check,
+              "grads_through_attribute": grads_through_attribute_check,
+              "grads_through_attribute_zero1": lambda r, ws: grads_through_attribute_check(r, ws, zero_stage=1),
               "held_values_zero1": lambda r, ws: held_values_check(r, ws, zero_stage=1),
               "meta_init_trains_zero1": lambda r, ws: meta_init_check(r, ws, train=True, zero_stage=1)}  # fmt: skip
     for name in names:
@@ -260,6 +302,8 @@ def test_writes_optimizers_and_conversions(world_size):
         "held_values_zero1",
         "freeze_through_attribute",
         "zero1_fused_step",
+        "grads_through_attribute",
+        "grads_through_attribute_zero1",
     ]
     check_results(run_ranks(world_size, run_checks, names))
 
