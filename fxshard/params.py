@@ -29,14 +29,18 @@ A CUDA-graph replay steps the optimizer without any hook: values held across
 replays are not checked.
 
 The value's ``.grad`` is the parameter's gradient, full, as in PyTorch
-(``GradAccess``): reading it gathers the shard's ``.grad`` (``None`` where
+(``ParameterLink``): reading it gathers the shard's ``.grad`` (``None`` where
 the shard has none), writes to it land in the shard's ``.grad`` as writes to
 the value land in the shard, and assigning or deleting it sets the shard's.
 Without this, torch answers ``.grad`` of a non-leaf with ``None`` and drops
 what is assigned to it: ``model.fc.weight.grad`` would read ``None`` after
 a backward, and ``model.embed.weight.grad[:n] = 0`` would change nothing.
 A gathered gradient held across a change of the shard's gradient (a
-backward, ``zero_grad``) raises on use, as a held value does.
+backward, ``zero_grad``) raises on use, as a held value does. Gradient hooks
+registered on the value (``register_hook``,
+``register_post_accumulate_grad_hook``) are registered on the shard, which
+is in the autograd graph: on the value they would never run. They receive
+the shard's reduced gradient, a DTensor, as FSDP2's do.
 
 Meta-device init builds on this: after ``model.to_empty(device=...)`` a
 parameter has no values yet, so reading it returns an uninitialized full
@@ -118,13 +122,13 @@ class GatheredParameter(torch.Tensor):
     _fxshard_sink: Sink
     _fxshard_root: torch.Tensor  # a plain alias of the gathered storage
     _fxshard_source: Source | GradSource | None  # None: the value is the local tensor itself (replicated)
-    _fxshard_grad: GradAccess | None  # the whole value read from ``module.weight``; None for its aliases
+    _fxshard_link: ParameterLink | None  # the whole value read from ``module.weight``; None for its aliases
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _GRAD_ACCESS and isinstance(args[0], GatheredParameter) and args[0]._fxshard_grad is not None:
-            return args[0]._fxshard_grad.access(func, args[1:])
+        if func in _LINKED and isinstance(args[0], GatheredParameter) and args[0]._fxshard_link is not None:
+            return args[0]._fxshard_link.forward(func, args[1:], kwargs)
         if func in _REQUIRES_GRAD and isinstance(args[0], GatheredParameter):
             # Freezing the value read is freezing the parameter, as in PyTorch
             # (the value itself is not a leaf).
@@ -151,8 +155,9 @@ class GatheredParameter(torch.Tensor):
 
 
 _REQUIRES_GRAD = (torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__)
-_GRAD_GET, _GRAD_SET = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
-_GRAD_ACCESS = (_GRAD_GET, _GRAD_SET, torch.Tensor.grad.__delete__)
+_GRAD_GET, _GRAD_SET, _GRAD_DEL = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__
+_HOOKS = (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook)
+_LINKED = (_GRAD_GET, _GRAD_SET, _GRAD_DEL, *_HOOKS)  # what the whole value forwards to its parameter
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -180,29 +185,32 @@ def _wrap_aliases(out: Any, seen: list[GatheredParameter]) -> Any:
 
 
 def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink, source: Source | GradSource | None,
-                       grad: GradAccess | None = None) -> GatheredParameter:  # fmt: skip
+                       link: ParameterLink | None = None) -> GatheredParameter:  # fmt: skip
     """``value`` (an alias of ``root``) as a ``GatheredParameter`` whose
     writes go to ``sink``; ``source``: the shard it was gathered from, shared
     by its aliases (None where ``root`` is the local tensor itself);
-    ``grad``: what its ``.grad`` is, for the whole value read from the module."""
+    ``link``: its parameter, for the whole value read from the module."""
     with compat.disable_torch_function_subclass():
         wrapped = value.as_subclass(GatheredParameter)
     wrapped._fxshard_root, wrapped._fxshard_sink, wrapped._fxshard_source = root, sink, source
-    wrapped._fxshard_grad = grad
+    wrapped._fxshard_link = link
     return wrapped
 
 
-class GradAccess:
-    """``.grad`` of a parameter's full value read outside the forward: the
-    shard's gradient, gathered (see [Note: writes to gathered parameters]).
-    ``gather`` makes the full tensor of a local one, as the value's read does."""
+class ParameterLink:
+    """What a parameter's full value read outside the forward forwards to
+    the parameter: ``.grad``, the shard's gradient gathered, and gradient
+    hooks (see [Note: writes to gathered parameters]). ``gather`` makes the
+    full tensor of a local one, as the value's read does."""
 
     def __init__(self, param: ShardParameter, fqn: str, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.param, self.fqn, self.gather = param, fqn, gather
 
-    def access(self, func: Any, args: tuple) -> Any:
+    def forward(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func == _GRAD_GET:
             return self.read()
+        if func in _HOOKS:
+            return getattr(self.param, func.__name__)(*args, **kwargs)
         self.assign(args[0] if func == _GRAD_SET else None)
         return None
 

@@ -273,16 +273,16 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
         param = module._parameters[attr]
-        grad = param_writes.GradAccess(param, spec.fqn, gather_stored)
+        link = param_writes.ParameterLink(param, spec.fqn, gather_stored)
         if spec.replicated:  # the local tensor is the full one: writes land in it
             local = compat.local_tensor(param)
-            return param_writes.gathered_parameter(local, local, param.write_full, None, grad)
+            return param_writes.gathered_parameter(local, local, param.write_full, None, link)
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
             full = _gather(param.to_local(), spec, as_stored, index)
         source = param_writes.Source(param, spec.fqn)
-        return param_writes.gathered_parameter(full, full, param.write_full, source, grad)
+        return param_writes.gathered_parameter(full, full, param.write_full, source, link)
 
     def gather_stored(local: torch.Tensor) -> torch.Tensor:
         """A local tensor shaped like the shard (its gradient), full; a

@@ -120,7 +120,8 @@ def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 
     """``module.weight.grad`` is the parameter's full gradient, as in PyTorch
     (see [Note: writes to gathered parameters]): read, written in place,
     assigned and deleted, sharded (uneven rows) and replicated (``no_shard``),
-    each compared with the unsharded model doing the same."""
+    each compared with the unsharded model doing the same; gradient hooks
+    registered through ``module.weight`` run."""
     torch.manual_seed(0)
     model = _mlp()
     ref = copy.deepcopy(model)
@@ -128,8 +129,12 @@ def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 
     fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
     assert model[2].weight.grad is None and model[0].bias.grad is None
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
+    accumulated = []
     for m in (model, ref):
+        m[2].weight.register_hook(lambda g: g * 2)  # on the value it would never run
+        m[0].bias.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad is not None))
         m(x).pow(2).sum().backward()
+    assert accumulated == [True, True], accumulated
     for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
         module, attr = name.split(".")
         got = getattr(model[int(module)], attr).grad
