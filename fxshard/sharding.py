@@ -274,9 +274,12 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         # shard (see [Note: writes to gathered parameters]).
         param = module._parameters[attr]
         link = param_writes.ParameterLink(param, spec.fqn, gather_stored)
-        if spec.replicated:  # the local tensor is the full one: writes land in it
-            local = compat.local_tensor(param)
+        if spec.replicated and not (param.requires_grad and torch.is_grad_enabled()):
+            local = compat.local_tensor(param)  # the full tensor: writes land in it
             return param_writes.gathered_parameter(local, local, param.write_full, None, link)
+        # A value that can get a gradient (a loss term on the weights outside
+        # the forward, say) reads through the marker, whose backward reduces
+        # it into the shard's .grad; the local tensor itself is no leaf of it.
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:

@@ -161,6 +161,30 @@ def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 
     return {}
 
 
+def loss_outside_forward_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
+    """A loss term on ``module.weight`` computed outside the forward (a
+    penalty on the weights) reaches the shards' gradients, sharded and
+    replicated (``no_shard``), as in the unsharded model; a frozen one reads
+    the replicated tensor itself."""
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    fxshard.no_shard(model[0])
+    model[0].weight.requires_grad_(False)
+    ref[0].weight.requires_grad_(False)
+    fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
+    for m in (model, ref):
+        penalty = 0.1 * m[2].weight.pow(2).sum() + m[0].bias.abs().sum() + m[2].bias.sum()
+        (m(x).pow(2).sum() + penalty).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        got = None if p.grad is None else p.grad.full_tensor()
+        torch.testing.assert_close(got, q.grad, msg=f"{name}: gradient with a penalty outside the forward")
+    frozen = model.get_parameter("0.weight")
+    assert model[0].weight.data_ptr() == frozen.to_local().data_ptr(), "a frozen replicated read copied"
+    return {}
+
+
 def freeze_through_attribute_check(rank: int, world_size: int) -> dict:
     """``module.weight.requires_grad_(False)`` (or ``= False``) freezes the
     parameter, as in PyTorch, though the value read is a gathered copy."""
@@ -285,6 +309,8 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
               "freeze_through_attribute": freeze_through_attribute_check, "zero1_fused_step": zero1_fused_step_check,
               "grads_through_attribute": grads_through_attribute_check,
+              "loss_outside_forward": loss_outside_forward_check,
+              "loss_outside_forward_zero1": lambda r, ws: loss_outside_forward_check(r, ws, zero_stage=1),
               "grads_through_attribute_zero1": lambda r, ws: grads_through_attribute_check(r, ws, zero_stage=1),
               "held_values_zero1": lambda r, ws: held_values_check(r, ws, zero_stage=1),
               "meta_init_trains_zero1": lambda r, ws: meta_init_check(r, ws, train=True, zero_stage=1)}  # fmt: skip
@@ -309,6 +335,8 @@ def test_writes_optimizers_and_conversions(world_size):
         "zero1_fused_step",
         "grads_through_attribute",
         "grads_through_attribute_zero1",
+        "loss_outside_forward",
+        "loss_outside_forward_zero1",
     ]
     check_results(run_ranks(world_size, run_checks, names))
 
