@@ -462,7 +462,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     plan = ShardPlan(mesh, shards, params, zero_stage, mp_policy, backend, debug_dir, graphs, state, unit_plan)
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
-    checkpoint.install(model)  # full state dicts load into the shards
+    # Full state dicts load into the shards; another rank's shards do not.
+    checkpoint.install(model, shards.get_local_rank(), shards.size())
     log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shards.size(),
              1 if replicas is None else replicas.size, backend)  # fmt: skip
     return model

@@ -14,10 +14,21 @@ laid out as the parameter is. Torch then checks keys and shapes as usual
 place: the parameter objects, the shards' slots (see [Note: units and flat
 shards]) and any optimizer keep holding the same tensors. A value of another
 shape is left as it is, for torch's usual size-mismatch error.
+
+[Note: whose shards a state dict holds]
+A sharded state dict holds one rank's rows; loaded on another rank, its
+values fit the shapes (where shards are even) and would replace that rank's
+rows with the saver's, silently: a ``torch.save`` by rank 0 alone, loaded by
+every rank. So ``state_dict()`` records, in the state dict's metadata (which
+``torch.save`` keeps), the shard rank and count it was taken on, and a load
+of sharded values taken on another shard rank raises, naming the fix. Full
+state dicts and DCP, which reshard, are unaffected. HSDP replicas hold the
+same shards, so only the shard dimension counts.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -26,10 +37,36 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.params import local_rows
 
+_SHARD = "fxshard_shard"  # state dict metadata: (shard rank, shard count) it was taken on
 
-def install(model: nn.Module) -> None:
-    """Let ``model`` (the compiled root) load full state dicts (see the Note)."""
-    model.register_load_state_dict_pre_hook(_shard_full_values)
+
+def install(model: nn.Module, shard_rank: int, shard_count: int) -> None:
+    """Let ``model`` (the compiled root) load full state dicts, and refuse
+    another rank's shards (see the Notes)."""
+    taken_on = (shard_rank, shard_count)
+
+    def stamp(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        local_metadata[_SHARD] = taken_on
+
+    model.register_state_dict_post_hook(stamp)
+    model.register_load_state_dict_pre_hook(functools.partial(_check_and_shard, taken_on))
+
+
+def _check_and_shard(here: tuple[int, int], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     local_metadata: dict, *args: Any) -> None:  # fmt: skip
+    saved = local_metadata.get(_SHARD)
+    if saved is not None and tuple(saved) != here:
+        names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False)
+                 if isinstance(state_dict.get(prefix + n), DTensor) and isinstance(p, DTensor)]  # fmt: skip
+        if names:
+            raise ValueError(
+                f"this state dict holds the shards of rank {saved[0]} of {saved[1]} ({names[0]!r} and others), "
+                f"and this is rank {here[0]} of {here[1]}: loading it would give this rank another rank's rows. "
+                "Save and load a file per rank (torch.save(model.state_dict(), f'model-{rank}.pt')), use "
+                "torch.distributed.checkpoint (any world size), or save a full state dict "
+                "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+            )
+    _shard_full_values(module, state_dict, prefix, local_metadata, *args)
 
 
 def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict,

@@ -152,6 +152,25 @@ def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
     return {"trained": fresh, "untrained": untrained}
 
 
+def another_ranks_file_raises(rank: int, world_size: int, model: nn.Module) -> None:
+    """A ``torch.save`` of rank 0's sharded state dict, loaded on every rank:
+    rank 0 loads it, the others raise instead of taking rank 0's rows (see
+    [Note: whose shards a state dict holds])."""
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    files = [buffer.getvalue()]
+    dist.broadcast_object_list(files, src=0)
+    state = torch.load(io.BytesIO(files[0]), weights_only=False)
+    if rank == 0:
+        model.load_state_dict(state)
+        return
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=f"shards of rank 0 of {world_size}.*this is rank {rank}"):
+        model.load_state_dict(state)
+    for name, p in model.named_parameters():
+        _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
+
+
 def full_state_dict_loads_into_shards(rank: int, world_size: int, model: nn.Module) -> None:
     """A full, plain state dict loads into the existing shards (same tensors,
     same slots), with torch's strict key and shape errors."""
@@ -251,7 +270,8 @@ def two_rank_checks(rank: int, world_size: int, path: str) -> dict:
 
     checks = {"torch_save": lambda: built.update(torch_save_resumes(rank, world_size)),
               "full_load": lambda: full_state_dict_loads_into_shards(rank, world_size, model("untrained", 2)),
-              "full_export": lambda: full_export_loads_into_plain_model(rank, world_size, model("trained", 0))}  # fmt: skip
+              "full_export": lambda: full_export_loads_into_plain_model(rank, world_size, model("trained", 0)),
+              "another_ranks_file": lambda: another_ranks_file_raises(rank, world_size, model("trained", 0))}  # fmt: skip
     for name, check in checks.items():
         try:
             check()
@@ -296,7 +316,7 @@ def two_ranks(tmp_path_factory):
     return path, results
 
 
-@pytest.mark.parametrize("check", ["torch_save", "full_load", "full_export"])
+@pytest.mark.parametrize("check", ["torch_save", "full_load", "full_export", "another_ranks_file"])
 def test_two_ranks(two_ranks, check):
     _, results = two_ranks
     failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(results) if res[check] is not None]
