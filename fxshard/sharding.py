@@ -49,6 +49,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import contextvars
+import inspect
 import logging
 import types
 import weakref
@@ -526,7 +527,36 @@ def _root_methods(base: type) -> dict[str, object]:
     def __call__(self, *args, **kwargs):
         return self.__dict__[ROOT_STATE].call(self, base, args, kwargs)
 
-    return {"forward": forward, "__call__": __call__}
+    methods = {"forward": forward, "__call__": __call__}
+    if _takes_state_dict(getattr(base, "save_pretrained", None)):
+        methods["save_pretrained"] = _save_pretrained(base)
+    return methods
+
+
+def _takes_state_dict(method: Any) -> bool:
+    try:
+        return method is not None and "state_dict" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _save_pretrained(base: type) -> Callable[..., Any]:
+    """Hugging Face's ``save_pretrained`` writes ``self.state_dict()``: this
+    rank's shards, which safetensors refuses ("invalid python storage"), or
+    worse. Gathering here would hang when only rank 0 saves, as is usual, so
+    the full state dict is the caller's to pass."""
+
+    def save_pretrained(self, save_directory: Any, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            raise ValueError(
+                "save_pretrained of a model that fxshard.compile sharded needs its full weights: on every rank, "
+                "sd = torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)); then on rank 0, "
+                "model.save_pretrained(path, state_dict=sd)"
+            )
+        return base.save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
+
+    return save_pretrained
 
 
 def _swap_class(module: nn.Module, properties: dict[str, property], state: RootState, root: bool) -> None:

@@ -127,7 +127,37 @@ def eval_changing_lengths(rank: int, world_size: int) -> None:
     assert all(g.reports["inference"].count("reduce") == 0 for g in graphs)
 
 
+def save_pretrained(rank: int, world_size: int) -> None:
+    """``save_pretrained`` without the full weights raises, naming the fix;
+    with the exported full state dict, rank 0's save loads back in
+    transformers as the sharded model's weights."""
+    import tempfile
+
+    import pytest
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    device = _device(rank)
+    torch.manual_seed(0)
+    model = fxshard.compile(hf_models.llama().to(device), backend="aot_eager")
+    ids = torch.randint(0, hf_models.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank)).to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    with pytest.raises(ValueError, match="needs its full weights"):
+        model.save_pretrained(path[0])
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model.save_pretrained(path[0], state_dict=full)
+    dist.barrier()
+    loaded = type(hf_models.llama()).from_pretrained(path[0])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(loaded.get_parameter(name), p.full_tensor().cpu(), atol=0, rtol=0, msg=name)
+
+
 HF_CHECKS: dict[str, Callable[[int, int], None]] = {
     **{f"{name}_gathers_once": checkpoint_gathers_once(name) for name in CHECKPOINTED},
     "hf_eval_changing_lengths": eval_changing_lengths,
+    "hf_save_pretrained": save_pretrained,
 }
