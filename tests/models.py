@@ -119,6 +119,24 @@ class Scaled(nn.Module):
         return self.b(torch.tanh(self.a(x)) * self.temperature)
 
 
+class Tempered(nn.Module):
+    """Whole parameters read through ops whose backward may recompute from
+    them: CLIP's ``logit_scale.exp()`` (0-dimensional) and a sigmoid gate
+    (kept whole by ``fxshard.no_shard``). In fp32 under Inductor the read was
+    the parameter's own storage, which the backward overwrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+        self.b = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * torch.sigmoid(self.gate)
+        return self.b(h) * self.logit_scale.exp()
+
+
 class GraphBreaks(nn.Module):
     """A data-dependent branch splits the forward into graphs (the print in
     front of it does not)."""

@@ -150,6 +150,13 @@ SCENARIOS: dict[str, Scenario] = {
         loss=_mse,
         compile_kwargs=dict(backend="aot_eager"),
     ),
+    "whole_reads_inductor": Scenario(
+        make_model=models.Tempered,
+        make_batch=lambda g: torch.randn(3, 5, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="inductor"),
+        prepare=lambda m: fxshard.no_shard(m.gate),
+    ),
     "graph_breaks_no_shard": Scenario(
         make_model=models.GraphBreaks,
         make_batch=lambda g: torch.randn(4, 6, generator=g),

@@ -85,6 +85,16 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
                 new.meta[PARAM] = param_of(node).fqn  # names the buffer in the static buffer plan
                 new.meta["val"] = fake_value(new.target, new.args, new.kwargs, fake_mode)
                 env[sub] = new
+        if result is source and node.meta.get("val") is not None:
+            # Nothing to gather or cast (world size 1, a replicated parameter
+            # in its own dtype): the read would be the input itself. AOTAutograd
+            # took the marker's output for a fresh tensor, so a saved one is a
+            # donated buffer, which Inductor may overwrite in the backward: the
+            # parameter became exp(parameter). A copy keeps it fresh.
+            result = graph.call_function(torch.ops.aten.clone.default, (source,))
+            result.meta = {k: node.meta[k] for k in COPIED_META if k in node.meta}
+            result.meta.update({LOWERED: True, PARAM: param_of(node).fqn})
+            result.meta["val"] = fake_value(result.target, result.args, result.kwargs, fake_mode)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
 
