@@ -103,6 +103,16 @@ def _check_model(model: nn.Module) -> None:
                 f"parameter {name!r} is already a DTensor ({param.placements}); fxshard shards plain "
                 "parameters. Pass the model before fully_shard, distribute_tensor or another sharding"
             )
+    for name, module in model.named_modules():
+        # The forward renormalizes the weight in place, a write that the
+        # gathered copy would drop, silently.
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(
+                f"{name or 'the model'} is an {type(module).__name__} with max_norm={module.max_norm}, which "
+                "renormalizes its weight inside the forward; fxshard cannot keep writes made there. Set "
+                "max_norm=None, and renormalize after each optimizer step if needed: with torch.no_grad(): "
+                "module.weight.copy_(torch.renorm(module.weight, 2, 0, max_norm))"
+            )
 
 
 def _explicit_units(model: nn.Module, units: object) -> tuple[tuple[str, ...], ...]:

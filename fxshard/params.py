@@ -95,9 +95,10 @@ class Source:
         self.param, self.fqn = param, fqn
         self.state = self._now()
 
-    def _now(self) -> tuple[int, int, int]:
+    def _now(self) -> tuple[int, int, int, int]:
+        # In-place DTensor ops bump the DTensor's version, not its local tensor's.
         local = compat.local_tensor(self.param)
-        return id(local), local._version, self.param.optimizer_steps
+        return id(local), local._version, self.param._version, self.param.optimizer_steps
 
     def check(self) -> None:
         now = self._now()
@@ -297,7 +298,10 @@ class ShardParameter(DTensor):
 
     @property
     def data(self) -> torch.Tensor:
-        return compat.tensor_data(self)
+        # A detached alias sharing the version counter (torch's ``.data`` has
+        # its own), so that a write through ``p.data`` is a change that
+        # ZeRO-1's copies and held gathered values see.
+        return self.detach()
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:

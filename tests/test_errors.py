@@ -90,6 +90,12 @@ def test_parameters_already_dtensors(fake_pg):
         fxshard.compile(model, mesh)
 
 
+@pytest.mark.parametrize("table", [nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, max_norm=2.0)])
+def test_embedding_that_renormalizes_in_the_forward(fake_pg, table):
+    """max_norm writes the weight inside the forward: dropped silently before."""
+    with pytest.raises(ValueError, match="max_norm.*renormalizes its weight inside the forward"):
+        fxshard.compile(nn.Sequential(table), backend="aot_eager")
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

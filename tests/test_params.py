@@ -61,6 +61,8 @@ def _shard_writes(model: nn.Module, ref: nn.Module, seed: int) -> None:
         ref[2].bias.copy_(torch.tensor([1.0, 2.0, 3.0], device=full.device) * seed)
         shards["2.weight"].mul_(2)
         ref[2].weight.mul_(2)
+    shards["0.bias"].data.add_(0.5)  # an EMA swap's p.data.copy_, a manual SGD's p.data.add_
+    ref[0].bias.data.add_(0.5)
     with pytest.raises(ValueError, match="full shape"):
         shards["0.bias"].data = torch.zeros(2)
 
@@ -83,6 +85,9 @@ def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     _shard_writes(model, ref, seed=3)
     _same(model, ref, "after a step")
     torch.testing.assert_close(model(x), ref(x), msg="the next call must compute with the written values")
+    model.get_parameter("2.bias").data.add_(1.0)  # the only write: ZeRO-1 must see it
+    ref[2].bias.data.add_(1.0)
+    torch.testing.assert_close(model(x), ref(x), msg="a write through p.data alone")
     return {}
 
 
@@ -103,6 +108,12 @@ def held_values_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
         alias.mul_(2.0)
     torch.testing.assert_close(held, model[2].weight, msg="a write through an alias renews the held value")
     stale = "read .* before the parameter changed.*Read the attribute again"
+    for write in (lambda p: p.data.mul_(1.0), lambda p: p.mul_(1.0)):  # in place on the shard itself
+        value = model[2].weight
+        with torch.no_grad():
+            write(model.get_parameter("2.weight"))
+        with pytest.raises(ValueError, match=stale):
+            value.sum()
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # fused optimizers bump no version: counted by a hook
     after_step = model[2].weight.detach().clone()
     with pytest.raises(ValueError, match=stale), torch.no_grad():

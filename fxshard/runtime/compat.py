@@ -52,7 +52,6 @@ __all__ = [
     "is_higher_order_op",
     "disable_torch_function_subclass",
     "local_tensor",
-    "tensor_data",
     "dtensor_spec",
     "mark_parameter",
     "replace_local_tensor",
@@ -479,11 +478,6 @@ def disable_torch_function_subclass() -> Any:
     """Run torch functions on a tensor subclass as on a plain tensor (what
     ``Tensor.__torch_function__`` does around each call)."""
     return torch._C.DisableTorchFunctionSubclass()
-
-
-def tensor_data(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.data``, read past a subclass's own ``data`` property."""
-    return torch._C.TensorBase.data.__get__(tensor)
 
 
 def dtensor_spec(dtensor: Any) -> Any:
