@@ -573,12 +573,15 @@ def _shard_of(full: torch.Tensor, mesh: DeviceMesh, shard_mesh: DeviceMesh, spec
     """``full`` as this rank's DTensor on ``mesh``: replicated on every
     dimension but the last (``shard_mesh``), where ``spec`` says."""
     outer = [Replicate()] * (mesh.ndim - 1)
+    # Shards are row-major whatever the parameter's strides (``nn.Parameter(w.t())``):
+    # units, collectives and rows-of-a-full-value copies all assume it.
+    full = full.detach().contiguous()
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
-        dt = DTensor.from_local(full.detach(), mesh, [*outer, Replicate()], run_check=False, shape=full.shape,
+        dt = DTensor.from_local(full, mesh, [*outer, Replicate()], run_check=False, shape=full.shape,
                                 stride=full.stride())  # fmt: skip
         return param_writes.shard_parameter(dt, spec.requires_grad)
     start, end = shard_range(full.shape[0], shard_mesh.size(), shard_mesh.get_local_rank())
-    local = full.detach()[start:end].clone()
+    local = full[start:end].clone()
     dt = DTensor.from_local(local, mesh, [*outer, Shard(0)], run_check=False, shape=full.shape,
                             stride=full.stride())  # fmt: skip
     return param_writes.shard_parameter(dt, spec.requires_grad)

@@ -137,6 +137,18 @@ class Tempered(nn.Module):
         return self.b(h) * self.logit_scale.exp()
 
 
+class Transposed(nn.Module):
+    """A parameter that is a transposed view (strides (1, 7)), 7 rows: uneven at 2 to 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 7).t())
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(x @ self.w))
+
+
 class GraphBreaks(nn.Module):
     """A data-dependent branch splits the forward into graphs (the print in
     front of it does not)."""

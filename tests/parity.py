@@ -157,6 +157,12 @@ SCENARIOS: dict[str, Scenario] = {
         compile_kwargs=dict(backend="inductor"),
         prepare=lambda m: fxshard.no_shard(m.gate),
     ),
+    "transposed_parameter": Scenario(
+        make_model=models.Transposed,
+        make_batch=lambda g: torch.randn(3, 7, generator=g),
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+    ),
     "graph_breaks_no_shard": Scenario(
         make_model=models.GraphBreaks,
         make_batch=lambda g: torch.randn(4, 6, generator=g),

@@ -96,6 +96,7 @@ def test_embedding_that_renormalizes_in_the_forward(fake_pg, table):
     with pytest.raises(ValueError, match="max_norm.*renormalizes its weight inside the forward"):
         fxshard.compile(nn.Sequential(table), backend="aot_eager")
 
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
