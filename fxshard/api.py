@@ -106,6 +106,11 @@ def _check_model(model: nn.Module) -> None:
     for name, module in model.named_modules():
         # The forward renormalizes the weight in place, a write that the
         # gathered copy would drop, silently.
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"{name or 'the model'} is an {type(module).__name__} with sparse=True; fxshard reduces dense "
+                "gradients (sparse ones would be gathered whole). Set sparse=False"
+            )
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             raise ValueError(
                 f"{name or 'the model'} is an {type(module).__name__} with max_norm={module.max_norm}, which "

@@ -204,7 +204,8 @@ class LocalShards:
                 raise ValueError(
                     f"parameter {attr!r} of {type(module).__name__} was replaced after fxshard.compile "
                     f"(it is now {type(param).__name__}); load values with load_state_dict() or copy_() "
-                    "into the existing shards instead of assigning new parameters"
+                    "into the existing shards instead of assigning new parameters. Calls that swap in other "
+                    "parameters (torch.func.functional_call, stateless reparametrizations) are not supported"
                 )
             if compat.local_tensor(param).is_meta:
                 raise ValueError(
@@ -534,9 +535,17 @@ def _root_methods(base: type) -> dict[str, object]:
 
 
 def _takes_state_dict(method: Any) -> bool:
+    """Whether ``method`` takes a ``state_dict`` argument: transformers'
+    ``save_pretrained`` names it, peft's reads it from ``**kwargs``."""
+    if method is None:
+        return False
     try:
-        return method is not None and "state_dict" in inspect.signature(method).parameters
-    except (TypeError, ValueError):
+        params = inspect.signature(method).parameters
+        if "state_dict" in params:
+            return True
+        keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        return keywords and 'kwargs.get("state_dict"' in inspect.getsource(method)
+    except (TypeError, ValueError, OSError):
         return False
 
 
