@@ -39,18 +39,21 @@ def test_replay_finds_the_blocks_alive_at_the_peak():
     assert summary["peak_event"].startswith("units.py:12 call")
 
 
-def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
-    return SimpleNamespace(name=name, device_type=bench.torch.autograd.DeviceType.CUDA,
+def _kernel(name: str, start: float, end: float, stream: int = 7) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=bench.torch.autograd.DeviceType.CUDA, device_resource_id=stream,
                            time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
 
 
 def test_gpu_busy_is_the_union_of_all_kernels():
-    events = [_kernel("gemm", 0, 10), _kernel("ncclAllGather", 5, 20), _kernel("copy", 30, 40)]  # microseconds
+    events = [_kernel("gemm", 0, 10), _kernel("ncclAllGather", 5, 20, stream=9), _kernel("copy", 30, 40)]  # us
     profile = bench.kernel_profile(SimpleNamespace(events=lambda: events), steps=2)
     assert profile["gpu_busy_ms"] == pytest.approx(30 / 1e3 / 2)  # 0-20 and 30-40
     assert profile["compute_busy_ms"] == pytest.approx(20 / 1e3 / 2)
     assert profile["exposed_nccl_ms"] == pytest.approx(10 / 1e3 / 2)  # 10-20: no compute kernel
     assert profile["kernels_per_step"] == 1.5 and "note" not in profile
+    # The one idle stretch, 20-30, follows the NCCL kernel (the last to end) on another stream.
+    assert profile["idle_by_transition"] == {"other stream, nccl -> other": [0.5, pytest.approx(10 / 1e3 / 2)]}
+    assert profile["streams"] == 2
     assert "note" in bench.kernel_profile(SimpleNamespace(events=list), steps=1)
 
 
