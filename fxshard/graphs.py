@@ -25,9 +25,10 @@ How it is made safe:
 - A replay reads the tensors that existed at capture: every parameter shard,
   gradient and optimizer state. Each call checks they are still the same
   tensors (a checkpoint load into new tensors, ``zero_grad()`` outside the
-  step) and that the optimizers' plain-number settings (a float
-  learning rate a scheduler changes) did not move; either raises, naming
-  ``reset()``, which captures again on the next call.
+  step), that every parameter trains or is frozen as at the capture, and
+  that the optimizers' plain-number settings (a float learning rate a
+  scheduler changes) did not move; each raises, naming ``reset()``, which
+  captures again on the next call.
 
 Buffers: every tensor the step allocates, the collectives' gathered units and
 reduce buffers among them, comes from the capture's private pool, at the
@@ -335,6 +336,12 @@ class CapturedStep:
                 "captured phase. Toggle it inside the captured step (all micro-batches of one optimizer step), "
                 "or call step.reset() to capture again"
             )
+        if not self._held.frozen_alike():
+            raise ValueError(
+                "fxshard.cuda_graph: a parameter was frozen or unfrozen (requires_grad) since the capture, and a "
+                "replay would still train what the capture trained. Call step.reset() after changing what "
+                "trains, to capture again"
+            )
         if not self._held.same():
             raise ValueError(
                 "fxshard.cuda_graph: a parameter shard, gradient or optimizer state the step was captured with was "
@@ -462,6 +469,7 @@ class _Held:
         stepped = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
         self.with_grads = list({id(p): p for p in (*self.params, *stepped)}.values())
         self.grads = list(map(_GRAD, self.with_grads))
+        self.trained = list(map(_REQUIRES_GRAD, self.params))
         self.state_maps = [opt.state for opt in optimizers]
         self.optimizers = list(optimizers)
         self.states = self._states()
@@ -474,6 +482,10 @@ class _Held:
     @staticmethod
     def _values(states: list[dict]) -> list[Any]:
         return list(itertools.chain.from_iterable(map(dict.values, states)))
+
+    def frozen_alike(self) -> bool:
+        """Whether every parameter trains or is frozen as at the capture."""
+        return list(map(_REQUIRES_GRAD, self.params)) == self.trained
 
     def same(self) -> bool:
         if not _identical(map(dict.get, self.dicts, self.names), self.params):
@@ -494,6 +506,7 @@ class _Held:
 
 
 _GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _identical(now: Iterable[Any], before: list[Any]) -> bool:

@@ -103,6 +103,18 @@ def test_a_replay_notices_replaced_tensors(no_dist, monkeypatch, change):
     assert not held.same()
 
 
+def test_a_replay_notices_freezing(no_dist, monkeypatch):
+    """A replay trains what the capture trained: freezing a parameter after
+    it must capture again."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, opt, held = _held_after_a_step()
+    assert held.frozen_alike()
+    model.b.requires_grad_(False)
+    assert not held.frozen_alike()
+    model.b.requires_grad_(True)
+    assert held.frozen_alike()
+
+
 def test_a_replay_accepts_writes_in_place(no_dist, monkeypatch):
     """Writes that keep every tensor (another step, in-place zeroing, ``.data
     =``, ``load_state_dict`` of the model) leave what a replay reads in place."""
