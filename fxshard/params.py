@@ -296,6 +296,13 @@ class ShardParameter(DTensor):
     uninitialized: bool = False
     optimizer_steps: int = 0  # steps of optimizers holding it, once counted (count_optimizer_steps)
 
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func._schema.is_mutable:
+            _count_writes(func, args, kwargs or {})
+        return out
+
     @property
     def data(self) -> torch.Tensor:
         # A detached alias sharing the version counter (torch's ``.data`` has
@@ -326,6 +333,20 @@ class ShardParameter(DTensor):
         with torch.no_grad(), compat.disable_torch_function_subclass():
             compat.local_tensor(self).copy_(rows)
         self.uninitialized = False
+
+
+def _count_writes(func: Any, args: tuple, kwargs: dict) -> None:
+    """Bump the version of each shard that ``func`` wrote. Autograd bumps it
+    for an in-place op on the shard, but not for a foreach op
+    (``torch._foreach_zero_(params)``), which ZeRO-1's copies and held
+    gathered values would then miss."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, ShardParameter):
+                torch.autograd.graph.increment_version(t)
 
 
 def local_rows(param: DTensor) -> tuple[int, int]:

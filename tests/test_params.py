@@ -88,6 +88,13 @@ def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     model.get_parameter("2.bias").data.add_(1.0)  # the only write: ZeRO-1 must see it
     ref[2].bias.data.add_(1.0)
     torch.testing.assert_close(model(x), ref(x), msg="a write through p.data alone")
+    held = model[0].weight
+    with torch.no_grad():  # a foreach op bumps no version by itself (see params._count_writes)
+        torch._foreach_mul_(list(model.parameters()), 0.5)
+        torch._foreach_mul_(list(ref.parameters()), 0.5)
+    torch.testing.assert_close(model(x), ref(x), msg="a foreach write alone")
+    with pytest.raises(ValueError, match="before the parameter changed"):
+        held.sum()
     return {}
 
 
