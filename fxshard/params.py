@@ -339,7 +339,8 @@ def _count_writes(func: Any, args: tuple, kwargs: dict) -> None:
     """Bump the version of each shard that ``func`` wrote. Autograd bumps it
     for an in-place op on the shard, but not for a foreach op
     (``torch._foreach_zero_(params)``), which ZeRO-1's copies and held
-    gathered values would then miss."""
+    gathered values would then miss. Torch 2.11's DTensor dispatches its
+    subclasses in C++ and never calls this (README, known limits)."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
