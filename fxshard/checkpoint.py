@@ -57,7 +57,7 @@ def _check_and_shard(here: tuple[int, int], module: nn.Module, state_dict: dict[
     saved = local_metadata.get(_SHARD)
     if saved is not None and tuple(saved) != here:
         names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False)
-                 if isinstance(state_dict.get(prefix + n), DTensor) and isinstance(p, DTensor)]  # fmt: skip
+                 if _is_shard(state_dict.get(prefix + n)) and isinstance(p, DTensor)]  # fmt: skip
         if names:
             raise ValueError(
                 f"this state dict holds the shards of rank {saved[0]} of {saved[1]} ({names[0]!r} and others), "
@@ -86,6 +86,11 @@ def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: st
                 "each rank's rows into the existing shards"
             )
         state_dict[key] = _rows_of(value, param)
+
+
+def _is_shard(value: Any) -> bool:
+    """A DTensor holding rows of its tensor (replicated ones are the same on every rank)."""
+    return isinstance(value, DTensor) and any(p.is_shard() for p in value.placements)
 
 
 def _is_full(value: Any, param: DTensor) -> bool:

@@ -259,12 +259,12 @@ class GradSource:
         self.param, self.fqn = param, fqn
         self.state = self._now()
 
-    def _now(self) -> tuple[weakref.ref | None, int]:
+    def _now(self) -> tuple[weakref.ref | None, tuple[int, int]]:
         grad = self.param.grad
         if grad is None:
-            return None, -1
-        local = compat.local_tensor(grad)
-        return weakref.ref(local), local._version
+            return None, (-1, -1)
+        local = compat.local_tensor(grad)  # in-place DTensor ops bump the DTensor's version, not this one's
+        return weakref.ref(local), (grad._version, local._version)
 
     def check(self) -> None:
         (ref, version), (now_ref, now_version) = self.state, self._now()
@@ -291,17 +291,23 @@ class ShardParameter(DTensor):
     operation is the DTensor's, and returns plain DTensors.
     """
 
-    # Materialized from the meta device by ``to_empty`` and not written yet:
-    # reading it gathers nothing (see [Note: writes to gathered parameters]).
-    uninitialized: bool = False
+    # The versions (the DTensor's, its local tensor's) when ``to_empty``
+    # materialized it from the meta device; None otherwise.
+    _empty_at: tuple[int, int] | None = None
     optimizer_steps: int = 0  # steps of optimizers holding it, once counted (count_optimizer_steps)
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func._schema.is_mutable:
-            _count_writes(func, args, kwargs or {})
-        return out
+    @property
+    def uninitialized(self) -> bool:
+        """Materialized from the meta device and not written since, by any
+        path that moves a version (see [Note: writes to gathered
+        parameters]): reading it gathers nothing."""
+        return self._empty_at is not None and self._empty_at == self._versions()
+
+    def mark_empty(self) -> None:
+        self._empty_at = self._versions()
+
+    def _versions(self) -> tuple[int, int]:
+        return self._version, compat.local_tensor(self)._version
 
     @property
     def data(self) -> torch.Tensor:
@@ -332,22 +338,6 @@ class ShardParameter(DTensor):
         rows = full[slice(*local_rows(self))] if self.dim() else full
         with torch.no_grad(), compat.disable_torch_function_subclass():
             compat.local_tensor(self).copy_(rows)
-        self.uninitialized = False
-
-
-def _count_writes(func: Any, args: tuple, kwargs: dict) -> None:
-    """Bump the version of each shard that ``func`` wrote. Autograd bumps it
-    for an in-place op on the shard, but not for a foreach op
-    (``torch._foreach_zero_(params)``), which ZeRO-1's copies and held
-    gathered values would then miss. Torch 2.11's DTensor dispatches its
-    subclasses in C++ and never calls this (README, known limits)."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, ShardParameter):
-                torch.autograd.graph.increment_version(t)
 
 
 def local_rows(param: DTensor) -> tuple[int, int]:

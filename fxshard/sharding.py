@@ -355,7 +355,7 @@ class RootState:
             made = self.materialized.get(id(param))
             if made is None or made[0]() is not param:
                 replacement = param_writes.shard_parameter(applied, param.requires_grad)
-                replacement.uninitialized = True
+                replacement.mark_empty()
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
                 param_writes.retire(param, fqn)
                 self.fqns[id(replacement)] = fqn
@@ -555,7 +555,11 @@ def _save_pretrained(base: type) -> Callable[..., Any]:
     worse. Gathering here would hang when only rank 0 saves, as is usual, so
     the full state dict is the caller's to pass."""
 
-    def save_pretrained(self, save_directory: Any, *args: Any, state_dict: dict | None = None, **kwargs: Any) -> Any:
+    signature = inspect.signature(base.save_pretrained)
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        given = signature.bind_partial(self, *args, **kwargs).arguments
+        state_dict = given.get("state_dict", given.get("kwargs", {}).get("state_dict"))
         if state_dict is None:
             raise ValueError(
                 "save_pretrained of a model that fxshard.compile sharded needs its full weights: on every rank, "
@@ -563,7 +567,7 @@ def _save_pretrained(base: type) -> Callable[..., Any]:
                 "options=StateDictOptions(full_state_dict=True, cpu_offload=True)); then on rank 0, "
                 "model.save_pretrained(path, state_dict=sd)"
             )
-        return base.save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
+        return base.save_pretrained(self, *args, **kwargs)
 
     return save_pretrained
 

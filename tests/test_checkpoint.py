@@ -163,12 +163,19 @@ def another_ranks_file_raises(rank: int, world_size: int, model: nn.Module) -> N
     state = torch.load(io.BytesIO(files[0]), weights_only=False)
     if rank == 0:
         model.load_state_dict(state)
-        return
-    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=f"shards of rank 0 of {world_size}.*this is rank {rank}"):
-        model.load_state_dict(state)
-    for name, p in model.named_parameters():
-        _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
+    else:
+        before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=f"shards of rank 0 of {world_size}.*this is rank {rank}"):
+            model.load_state_dict(state)
+        for name, p in model.named_parameters():
+            _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
+    torch.manual_seed(0)
+    whole = fxshard.compile(fxshard.no_shard(models.Uneven().to(_device())), backend="aot_eager")
+    buffer = io.BytesIO()
+    torch.save(whole.state_dict(), buffer)
+    files = [buffer.getvalue()]
+    dist.broadcast_object_list(files, src=0)
+    whole.load_state_dict(torch.load(io.BytesIO(files[0]), weights_only=False))  # replicated: alike on every rank
 
 
 def full_state_dict_loads_into_shards(rank: int, world_size: int, model: nn.Module) -> None:
