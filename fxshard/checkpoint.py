@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.params import local_rows
+from fxshard.params import rows_of
 
 _SHARD = "fxshard_shard"  # state dict metadata: (shard rank, shard count) it was taken on
 
@@ -85,7 +85,7 @@ def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: st
                 "sharded would replace its shards; call load_state_dict without assign=True, which copies "
                 "each rank's rows into the existing shards"
             )
-        state_dict[key] = _rows_of(value, param)
+        state_dict[key] = rows_of(value, param)
 
 
 def _is_shard(value: Any) -> bool:
@@ -95,10 +95,3 @@ def _is_shard(value: Any) -> bool:
 
 def _is_full(value: Any, param: DTensor) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape
-
-
-def _rows_of(full: torch.Tensor, param: DTensor) -> DTensor:
-    """This rank's rows of ``full`` (all of them, replicated), as a DTensor laid out like ``param``."""
-    local = full.detach()[slice(*local_rows(param))] if full.dim() else full.detach()
-    return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())  # fmt: skip

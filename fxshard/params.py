@@ -225,10 +225,7 @@ class ParameterLink:
         return gathered_parameter(full, full, self._write_rows, source)
 
     def _write_rows(self, full: torch.Tensor) -> None:
-        grad = self.param.grad
-        rows = full[slice(*local_rows(self.param))] if self.param.dim() else full
-        with torch.no_grad(), compat.disable_torch_function_subclass():
-            compat.local_tensor(grad).copy_(rows)
+        copy_rows(full, self.param, compat.local_tensor(self.param.grad))
 
     def assign(self, value: torch.Tensor | None) -> None:
         if value is None or isinstance(value, DTensor):
@@ -241,13 +238,9 @@ class ParameterLink:
                 f"{got}; give it the full gradient's shape (each rank keeps its own rows), or a DTensor "
                 "sharded like the parameter"
             )
-        with compat.disable_torch_function_subclass():
-            rows = value[slice(*local_rows(self.param))] if self.param.dim() else value
-            # A copy: a DTensor's local tensor must start its storage (see
-            # [Note: units and flat shards] in fxshard/runtime/units.py).
-            rows = rows.detach().clone()
-        self.param.grad = DTensor.from_local(rows, self.param.device_mesh, self.param.placements, run_check=False,
-                                             shape=self.param.shape, stride=self.param.stride())  # fmt: skip
+        # A copy: a DTensor's local tensor must start its storage (see
+        # [Note: units and flat shards] in fxshard/runtime/units.py).
+        self.param.grad = rows_of(value, self.param).clone()
 
 
 class GradSource:
@@ -335,9 +328,23 @@ class ShardParameter(DTensor):
                 "it a tensor of the parameter's full shape (each rank keeps its own rows), or a DTensor "
                 "sharded like it"
             )
-        rows = full[slice(*local_rows(self))] if self.dim() else full
-        with torch.no_grad(), compat.disable_torch_function_subclass():
-            compat.local_tensor(self).copy_(rows)
+        copy_rows(full, self, compat.local_tensor(self))
+
+
+def copy_rows(full: torch.Tensor, like: DTensor, into: torch.Tensor) -> None:
+    """Copy this rank's rows of ``full`` (laid out as ``like``) into ``into``, in place."""
+    rows = full[slice(*local_rows(like))] if like.dim() else full
+    with torch.no_grad(), compat.disable_torch_function_subclass():
+        into.copy_(rows)
+
+
+def rows_of(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's rows of ``full`` (all of them, replicated), as a DTensor
+    laid out like ``like``; a view of ``full`` where it can be."""
+    with compat.disable_torch_function_subclass():
+        local = full.detach()[slice(*local_rows(like))] if full.dim() else full.detach()
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())  # fmt: skip
 
 
 def local_rows(param: DTensor) -> tuple[int, int]:
