@@ -331,6 +331,9 @@ class ShardParameter(DTensor):
         copy_rows(full, self, compat.local_tensor(self))
 
 
+compat.register_foreach_type(ShardParameter)
+
+
 def copy_rows(full: torch.Tensor, like: DTensor, into: torch.Tensor) -> None:
     """Copy this rank's rows of ``full`` (laid out as ``like``) into ``into``, in place."""
     rows = full[slice(*local_rows(like))] if like.dim() else full

@@ -54,6 +54,7 @@ __all__ = [
     "local_tensor",
     "dtensor_spec",
     "mark_parameter",
+    "register_foreach_type",
     "replace_local_tensor",
     "resolve_group",
     "aot_autograd",
@@ -490,6 +491,35 @@ def mark_parameter(tensor: torch.Tensor) -> None:
     ``nn.Parameter`` does for a subclass whose ``detach`` keeps its type:
     ``isinstance(tensor, nn.Parameter)`` then holds."""
     tensor._is_param = True
+
+
+# [Note: shards take torch's foreach paths]
+# torch picks an optimizer's implementation, and ``clip_grad_norm_`` its
+# kernels, by exact type: foreach (one kernel per op over all parameters)
+# only where ``type(p)`` is in ``torch.optim.optimizer._foreach_supported_types``
+# (and ``torch.utils._foreach_utils``' list for gradients), a registry that
+# DTensor joins at import. A DTensor subclass that is not registered falls to
+# the per-parameter loop: the default ``AdamW`` issued ~1,000 more kernels per
+# step on a 375M model. torch offers no other way to opt in, so a shard type
+# registers itself the way DTensor does; only instances of that type are
+# affected. tests/test_optimizer_paths.py counts the ops of one step against
+# plain DTensors.
+_FOREACH_TYPE_REGISTRIES = (("torch.optim.optimizer", "_foreach_supported_types"),
+                            ("torch.utils._foreach_utils", "_foreach_supported_types"))  # fmt: skip
+
+
+def register_foreach_type(cls: type) -> None:
+    """Make torch's optimizers and gradient utilities take their foreach
+    paths for tensors of type ``cls`` (see [Note: shards take torch's foreach paths])."""
+    import importlib
+
+    for module_name, attr in _FOREACH_TYPE_REGISTRIES:
+        registry = getattr(importlib.import_module(module_name), attr, None)
+        if not isinstance(registry, list):
+            raise ImportError(f"{module_name}.{attr} is gone or no longer a list; fxshard's shards would lose "
+                              "torch's foreach optimizer paths: update fxshard.runtime.compat.register_foreach_type")  # fmt: skip
+        if cls not in registry:
+            registry.append(cls)
 
 
 def local_tensor(dtensor: Any) -> torch.Tensor:
