@@ -18,8 +18,10 @@ when started under torchrun with several systems, local rank 0 (the other
 ranks exit at once; single host only). With one system under torchrun, the
 ranks run it themselves.
 
-Systems, each on the example's plain-PyTorch Llama (RMSNorm, RoPE, causal
-SDPA, SwiGLU, untied output), built from the same seed:
+Models (``--model``, bench/models.py): the example's Llama at 375M, 1B and
+8B, Hugging Face's OLMoE (``moe``), and a hybrid of attention, Mamba-style
+and MoE layers (``hybrid``); ``*tiny`` for a smoke test on CPU. Systems, each
+on the same model, built from the same seed:
 - ``fxshard``: ``fxshard.compile(model, mesh, mp_policy=...)`` (Inductor);
 - ``fsdp2``: ``fully_shard`` on each block, then on the root;
 - ``fsdp2_compile``: each block ``torch.compile``d, then ``fully_shard`` on
@@ -35,16 +37,18 @@ SDPA, SwiGLU, untied output), built from the same seed:
   sharding: the model under ``torch.compile`` and bf16 autocast, the same
   step captured with ``torch.cuda.graph``. What the step's kernels cost
   without fxshard, a floor for ``fxshard_graph`` at world size 1;
-- ``fxshard_no_sync``: with ``--micro-batches K``, all micro-batches but the
-  last under ``set_requires_gradient_sync(False)``;
-- ``fxshard_flat``, ``fxshard_r2``, ``fxshard_shard_frozen``, ``fxshard_zero2``,
-  ``fxshard_zero1``: fxshard options (``FXSHARD_VARIANTS``). ``--frozen-layers N`` freezes the embedding and the
-  first N layers, a frozen tower: fxshard replicates it, ``fxshard_shard_frozen``
-  and FSDP2 shard it.
-All use bf16 compute, fp32 gradient reduction, fp32 master weights and
-``AdamW(fused=True)`` (``capturable=True`` and ``zero_grad(set_to_none=False)``
-for the last two); sequence length 2048; random tokens, the same per step
-and rank for every system.
+- ``fxshard_flat``, ``fxshard_r2``: fxshard options (``FXSHARD_VARIANTS``).
+``--strategy`` applies to every system, in its own spelling (``STRATEGIES``):
+ZeRO-3, -2 and -1, a frozen tower sharded (with ``--frozen-layers N``, which
+freezes the embedding and the first N blocks; fxshard's default replicates
+it), and accumulation without sync (with ``--micro-batches K``); ``--mesh R,S``
+is HSDP. ``--optimizer``: torch's default AdamW (foreach), fused AdamW, or
+SGD with momentum. ``--fxshard-tree DIR`` runs fxshard from another commit's
+files on this tree's models and step (bench/matrix.py uses it for the
+baseline commit).
+All use bf16 compute, fp32 gradient reduction and fp32 master weights
+(``capturable=True`` and ``zero_grad(set_to_none=False)`` for the captured
+systems); random tokens, the same per step and rank for every system.
 
 Method: the step time is the median over the timed steps after the warm-up
 steps (``MODELS``), each timed with ``time.perf_counter`` around the step and
@@ -52,7 +56,7 @@ a ``torch.cuda.synchronize()``, the loss read after it; the first step
 (compile included) is reported separately. Peak memory per step from
 ``max_memory_allocated`` and ``max_memory_reserved`` (reserved holds a CUDA
 graph's pool), reset after the model is built and sharded and after every
-step. TFLOP/s per GPU = (6 params + 6 layers seq dim) tokens / step time.
+step. TFLOP/s per GPU = FLOPs per token (bench/models.py) x tokens / step time.
 ``--profile N`` adds, per step over the last N steps, the GPU-busy time (the
 union of all kernels) next to the step time, compute-busy, NCCL and exposed
 NCCL time, and kernel time by kind (matmul, attention, optimizer, Triton,
@@ -78,30 +82,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# --fxshard-tree=DIR: fxshard from DIR (a baseline commit's files), everything else from this tree,
+# so that a baseline runs the same models, data and step code. Read before fxshard is imported.
+FXSHARD_TREE = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--fxshard-tree=")), None)
+if FXSHARD_TREE:
+    sys.path.insert(0, str(Path(FXSHARD_TREE).resolve()))
 
 import memtrace  # noqa: E402  (bench/memtrace.py: this script's folder is on sys.path)
+from models import MODELS  # noqa: E402  (bench/models.py)
 
 import fxshard  # noqa: E402
-from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 from fxshard.runtime import compat  # noqa: E402
 
-SEQ = 2048
-# name: (config, batch per GPU (--batch overrides it), warm-up steps, timed steps)
-MODELS = {
-    "375m": (LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
-                         tie_embeddings=False), 4, 4, 12),
-    "1b": (LlamaConfig(vocab=32768, dim=2048, layers=16, heads=16, hidden=5632, max_len=SEQ,
-                       tie_embeddings=False), 2, 4, 12),
-    "8b": (LlamaConfig(vocab=128256, dim=4096, layers=32, heads=32, hidden=14336, max_len=SEQ,
-                       tie_embeddings=False), 1, 3, 8),
-}  # fmt: skip
-# A smoke test of this script on CPU: --model tiny --device cpu (gloo).
-MODELS["tiny"] = (
-    LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=SEQ, tie_embeddings=False),
-    1,
-    1,
-    2,
-)
 SYSTEMS = ("fxshard", "fsdp2", "fsdp2_compile")
 # fxshard variants, not in the default set: the keyword arguments each adds.
 FXSHARD_VARIANTS = {
@@ -111,11 +103,19 @@ FXSHARD_VARIANTS = {
     "fxshard_capturable": {},  # fxshard_graph's step, uncaptured
     "fxshard_graph": {},  # the step in fxshard.cuda_graph
     "fxshard_graph_none": {},  # fxshard_graph with zero_grad(set_to_none=True) in the step
-    "fxshard_shard_frozen": {"shard_frozen": True},  # with --frozen-layers: the tower sharded, not replicated
-    "fxshard_no_sync": {},  # with --micro-batches: only the last micro-batch reduces
-    "fxshard_zero2": {"zero_stage": 2},  # gathered weights kept from forward to backward
-    "fxshard_zero1": {"zero_stage": 1},  # full copies kept between steps, gathered once per step
 }
+# Strategies (--strategy), each as fxshard and FSDP2 spell it: (fxshard.compile kwargs, fully_shard kwargs).
+# FSDP2 has no ZeRO-1; its nearest, kept from forward to backward, is ZeRO-2. HSDP is --mesh R,S.
+STRATEGIES = {
+    "zero3": ({}, {}),
+    "zero2": ({"zero_stage": 2}, {"reshard_after_forward": False}),
+    "zero1": ({"zero_stage": 1}, {"reshard_after_forward": False}),
+    # With --frozen-layers: fxshard's default replicates a frozen tower; this shards it, as FSDP2 does.
+    "shard_frozen": ({"shard_frozen": True}, {}),
+    # With --micro-batches: all micro-batches but the last keep gradients unreduced.
+    "no_sync": ({}, {}),
+}
+OPTIMIZERS = ("adamw", "adamw_fused", "sgd")  # torch's default AdamW (foreach), fused AdamW, SGD with momentum
 # Plain torch on one GPU, no sharding: the unsharded model under torch.compile
 # and bf16 autocast, the step in torch.cuda.graph. A floor for fxshard_graph
 # at world size 1: what the same kernels cost without fxshard.
@@ -137,6 +137,9 @@ TRACE_DIR = os.environ.get("BENCH_TRACE_DIR")  # where rank 0 writes the profile
 MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
 MICRO_BATCHES = 1  # forward and backward per micro-batch of --batch, one optimizer step (--micro-batches)
 FROZEN_LAYERS = 0  # the embedding and this many first layers frozen: a frozen tower (--frozen-layers)
+STRATEGY = "zero3"  # --strategy
+OPTIMIZER = "adamw_fused"  # --optimizer
+MESH: tuple[int, ...] | None = None  # --mesh R,S: an HSDP mesh of R replicas of S shards
 
 
 FXSHARD_KWARGS: dict = {}
@@ -145,44 +148,57 @@ COMPILE_PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_g
                   "compile_fx_inner", "backward._backward_impl", "_compile.compile_inner")  # fmt: skip
 
 
-def build(system: str, cfg: LlamaConfig, mesh) -> torch.nn.Module:
+def build(system: str, spec, mesh) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = Llama(cfg)
+        model = spec.make()
+    blocks = spec.blocks(model)
     if FROZEN_LAYERS:
-        model.embed.requires_grad_(False)
-        for layer in model.layers[:FROZEN_LAYERS]:
+        embed = model.embed if hasattr(model, "embed") else model.get_input_embeddings()
+        embed.requires_grad_(False)
+        for layer in blocks[:FROZEN_LAYERS]:
             layer.requires_grad_(False)
     if system in REFERENCE:
         if dist.get_world_size() != 1:
             raise ValueError(f"{system} trains the unsharded model on one GPU: run it with --nproc-per-node 1")
         return torch.compile(model)
+    fxshard_kwargs, fsdp2_kwargs = STRATEGIES[STRATEGY]
     if system in FXSHARD_VARIANTS:
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
-        return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **FXSHARD_VARIANTS[system]})
+        return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **fxshard_kwargs,
+                                                            **FXSHARD_VARIANTS[system]})  # fmt: skip
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(blocks):
         if system == "fsdp2_compile":
             block = torch.compile(block)
-            model.layers.register_module(str(i), block)
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            blocks.register_module(str(i), block)
+        fully_shard(block, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
     return model
 
 
-def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer):
+def make_optimizer(system: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``--optimizer``, as a user builds it; a captured step keeps AdamW's step count on the GPU."""
+    if OPTIMIZER == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    fused = {"fused": True} if OPTIMIZER == "adamw_fused" else {}
+    capturable = {"capturable": True} if system in CAPTURABLE else {}
+    return torch.optim.AdamW(params, lr=3e-4, **fused, **capturable)
+
+
+def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer, spec):
     """One training step, ``step(tokens) -> loss`` (see [Note: a step a CUDA graph can replay])."""
     set_to_none = system not in CAPTURABLE or system == "fxshard_graph_none"
 
     def train_step(tokens: torch.Tensor) -> torch.Tensor:
         losses = []
         for i, micro in enumerate(tokens.chunk(MICRO_BATCHES)):
-            if system == "fxshard_no_sync":
+            if STRATEGY == "no_sync" and system not in REFERENCE:
                 model.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
             with torch.autocast(DEVICE, torch.bfloat16, enabled=system in REFERENCE):
-                loss = lm_loss(model(micro), micro) / MICRO_BATCHES
+                loss = spec.loss(model, micro) / MICRO_BATCHES
             loss.backward()
             losses.append(loss.detach())
         loss = torch.stack(losses).sum()
@@ -228,16 +244,17 @@ class PlainGraph:
         self.graph = None
 
 
-def tokens_for(step: int, rank: int, batch: int, vocab: int) -> torch.Tensor:
+def tokens_for(step: int, rank: int, batch: int, vocab: int, seq: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, vocab, (batch, SEQ), generator=gen).to(DEVICE)
+    return torch.randint(0, vocab, (batch, seq), generator=gen).to(DEVICE)
 
 
 def timed_steps(step, batches: list[torch.Tensor]) -> dict:
     """Runs ``step`` on each batch: times, losses, per-step peaks, and the
     profile and memory trace where asked for."""
     out: dict = dict(times=[], host=[], losses=[], peaks=[], reserved=[], profiler=None, traced=None, phases={})
-    compat.compile_phase_times(reset=True)
+    phase_times = getattr(compat, "compile_phase_times", lambda reset=False: {})  # absent at old baselines
+    phase_times(reset=True)
     for i, tokens in enumerate(batches):
         if PROFILE and i == len(batches) - PROFILE:
             activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
@@ -258,7 +275,7 @@ def timed_steps(step, batches: list[torch.Tensor]) -> dict:
             out["reserved"].append(torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
         if i == 0:
-            out["phases"] = compat.compile_phase_times()
+            out["phases"] = phase_times()
     if out["profiler"] is not None:
         out["profiler"].__exit__(None, None, None)
     return out
@@ -274,19 +291,21 @@ def graph_memory(step) -> dict:
 
 
 def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
-    cfg, default_batch, warmup, steps = MODELS[name]
-    batch = batch or default_batch
+    spec = MODELS[name]()
+    warmup, steps = spec.warmup, spec.steps
+    batch = batch or spec.batch
     if system in GRAPHED:
         warmup = max(warmup, GRAPH_WARMUP + 1)  # the timed steps are replays, never the capture
         if PROFILE > steps:
             raise ValueError(f"--profile {PROFILE} would profile {system}'s capture; at most {steps} for {name}")
     rank = dist.get_rank()
-    model = build(system, cfg, mesh)
+    model = build(system, spec, mesh)
     params = sum(p.numel() for p in model.parameters())
+    flops_per_token = spec.flops_per_token(model)
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=3e-4, fused=True, capturable=system in CAPTURABLE)
-    step = make_step(system, model, opt)
-    batches = [tokens_for(s, rank, batch * MICRO_BATCHES, cfg.vocab) for s in range(warmup + steps)]
+    opt = make_optimizer(system, trained)
+    step = make_step(system, model, opt, spec)
+    batches = [tokens_for(s, rank, batch * MICRO_BATCHES, spec.vocab, spec.seq) for s in range(warmup + steps)]
     sync()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -298,10 +317,12 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
             step.reset()  # frees the graph and its pool before the process group goes
     times, losses = run["times"], run["losses"]
     median = statistics.median(times[warmup:])
-    tokens_per_gpu = batch * MICRO_BATCHES * SEQ
-    flops = (6 * params + 6 * cfg.layers * SEQ * cfg.dim) * tokens_per_gpu
+    tokens_per_gpu = batch * MICRO_BATCHES * spec.seq
+    flops = flops_per_token * tokens_per_gpu
     result = dict(
-        model=name, system=system, params=params, batch=batch, micro_batches=MICRO_BATCHES, seq=SEQ, world_size=dist.get_world_size(),
+        model=name, system=system, params=params, batch=batch, micro_batches=MICRO_BATCHES, seq=spec.seq,
+        world_size=dist.get_world_size(), strategy=STRATEGY, optimizer=OPTIMIZER, mesh=list(mesh.shape),
+        frozen_layers=FROZEN_LAYERS, fxshard_tree=FXSHARD_TREE,
         warmup=warmup, step_ms=median * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / median,
         tflops_per_gpu=flops / median / 1e12, peak_gib=max(run["peaks"], default=0) / 2**30,
         peak_reserved_gib=max(run["reserved"], default=0) / 2**30, first_step_s=times[0],
@@ -417,6 +438,13 @@ def kernel_kind(name: str) -> str:
 
 
 def fxshard_plan_facts(model: torch.nn.Module) -> dict:
+    try:
+        return _plan_facts(model)
+    except AttributeError as error:  # a baseline commit's plan (--fxshard-tree) may lack some of these
+        return {"plan_facts": f"not read: {error}"}
+
+
+def _plan_facts(model: torch.nn.Module) -> dict:
     """Units and the predicted peak from fxshard's plan (see the README's
     debug dumps): the largest graph's liveness estimate (inputs and
     intermediates) plus AdamW's two fp32 states per element of a trained
@@ -528,11 +556,18 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
     parser.add_argument("--micro-batches", type=int, default=None,
-                        help="micro-batches of --batch per optimizer step, each with its backward; compare "
-                        "fxshard (reduces each) with fxshard_no_sync (reduces the last)")  # fmt: skip
+                        help="micro-batches of --batch per optimizer step, each with its backward; each reduces "
+                        "its gradients, or only the last with --strategy no_sync")  # fmt: skip
     parser.add_argument("--frozen-layers", type=int, default=0,
-                        help="freeze the embedding and this many first layers (a frozen tower); compare "
-                        "fxshard (replicates them) with fxshard_shard_frozen and fsdp2_compile")  # fmt: skip
+                        help="freeze the embedding and this many first layers (a frozen tower): fxshard "
+                        "replicates them, or shards them with --strategy shard_frozen, as FSDP2 does")  # fmt: skip
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="zero3",
+                        help="each system's spelling of it: see STRATEGIES")  # fmt: skip
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw_fused",
+                        help="adamw: torch's default AdamW (foreach); adamw_fused; sgd: SGD with momentum")  # fmt: skip
+    parser.add_argument("--mesh", default=None, help="R,S: an HSDP mesh of R replicas of S shards (default: 1-D)")
+    parser.add_argument("--fxshard-tree", default=None,
+                        help="import fxshard from this folder (a baseline commit's files, see bench/matrix.py)")  # fmt: skip
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
     parser.add_argument(
         "--fake-world",
@@ -553,7 +588,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 # Options the driver passes on to each system's process as they were given.
 FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world",
-             "frozen_layers", "micro_batches")  # fmt: skip
+             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "fxshard_tree")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -636,13 +671,16 @@ def run_one(args: argparse.Namespace, system: str) -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     else:
         dist.init_process_group("gloo")
-    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    if MESH is None:
+        mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    else:
+        mesh = init_device_mesh(DEVICE, MESH, mesh_dim_names=("replicate", "shard"))
     cuda = DEVICE == "cuda"
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", gpus=dist.get_world_size(),
                 torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
                 precision="bf16 compute, fp32 reduce",
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
-                fake_world=args.fake_world)  # fmt: skip
+                fake_world=args.fake_world, fxshard_tree=FXSHARD_TREE)  # fmt: skip
     result = run_system(system, args.model, mesh, args.batch)
     if dist.get_rank() == 0:
         print(table([result]), flush=True)
@@ -653,10 +691,12 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 
 def main() -> None:
     parser, args = parse_args()
-    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES
+    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH
     DEVICE = args.device
     MICRO_BATCHES = args.micro_batches or 1
     FROZEN_LAYERS = args.frozen_layers
+    STRATEGY, OPTIMIZER = args.strategy, args.optimizer
+    MESH = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
     PROFILE = args.profile
     MEMORY_STEP = args.memory_step
     for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):

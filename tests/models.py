@@ -232,12 +232,13 @@ class Hybrid(nn.Module):
     Odd sizes shard unevenly: vocab 41, 5 experts, MoE hidden 27, Mamba inner
     13, MLP hidden 33."""
 
-    def __init__(self, vocab: int = 41, dim: int = 20, heads: int = 2, pattern: str = "amxamx",
-                 max_len: int = 64) -> None:  # fmt: skip
+    def __init__(self, vocab: int = 41, dim: int = 20, heads: int = 2, pattern: str = "amxamx", max_len: int = 64,
+                 mlp_hidden: int = 33, mamba_inner: int = 13, experts: int = 5, expert_hidden: int = 27,
+                 top_k: int = 2) -> None:  # fmt: skip
         super().__init__()
-        cfg = LlamaConfig(vocab=vocab, dim=dim, heads=heads, hidden=33, max_len=max_len)
-        make = {"a": lambda: Block(cfg), "m": lambda: MambaStyleBlock(dim, inner=13),
-                "x": lambda: GroupedExperts(dim, hidden=27, experts=5, top_k=2)}  # fmt: skip
+        cfg = LlamaConfig(vocab=vocab, dim=dim, heads=heads, hidden=mlp_hidden, max_len=max_len)
+        make = {"a": lambda: Block(cfg), "m": lambda: MambaStyleBlock(dim, inner=mamba_inner),
+                "x": lambda: GroupedExperts(dim, hidden=expert_hidden, experts=experts, top_k=top_k)}  # fmt: skip
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(make[kind]() for kind in pattern)
         self.kinds = pattern

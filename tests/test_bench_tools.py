@@ -60,7 +60,7 @@ def test_gpu_busy_is_the_union_of_all_kernels():
 def _args(**kw) -> SimpleNamespace:
     base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, memory_step=None,
                 fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None, frozen_layers=0,
-                micro_batches=None)  # fmt: skip
+                micro_batches=None, strategy="zero3", optimizer="adamw", mesh=None, fxshard_tree=None)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -69,9 +69,13 @@ def test_each_system_gets_a_process_of_its_own(monkeypatch):
     command = bench.child_command(_args(batch=3), "fsdp2", Path("o.json"))
     assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert command[5].endswith("bench/bench.py")
-    assert set(command[6:]) == {"--only-system=fsdp2", "--out=o.json", "--model=tiny", "--device=cpu", "--batch=3"}
-    forwarded = bench.child_command(_args(frozen_layers=2, micro_batches=4), "fxshard_no_sync", Path("o.json"))
-    assert "--frozen-layers=2" in forwarded and "--micro-batches=4" in forwarded
+    assert set(command[6:]) == {"--only-system=fsdp2", "--out=o.json", "--model=tiny", "--device=cpu", "--batch=3",
+                                "--strategy=zero3", "--optimizer=adamw"}  # fmt: skip
+    forwarded = bench.child_command(
+        _args(frozen_layers=2, micro_batches=4, strategy="no_sync", mesh="2,2", fxshard_tree="/t"), "fxshard", Path("o")
+    )
+    for flag in ("--frozen-layers=2", "--micro-batches=4", "--strategy=no_sync", "--mesh=2,2", "--fxshard-tree=/t"):
+        assert flag in forwarded
     fake = bench.child_command(_args(fake_world=8), "fxshard", Path("o.json"))
     assert "torch.distributed.run" not in fake and "--fake-world=8" in fake
 
@@ -116,3 +120,49 @@ def test_a_cuda_graph_on_cpu_is_refused_with_the_fix(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "needs --device cuda" in capsys.readouterr().err
+
+
+import matrix  # noqa: E402  (bench/matrix.py)
+
+
+def _result(ms: float, peak: float, reserved: float | None = None) -> dict:
+    return dict(step_ms=ms, peak_gib=peak, peak_reserved_gib=reserved or peak, tflops_per_gpu=395.0)
+
+
+def test_matrix_rows_cover_what_users_run():
+    rows = {r.name: r for r in matrix.ROWS}
+    assert {r.optimizer for r in rows.values()} == set(bench.OPTIMIZERS)
+    assert {r.strategy for r in rows.values()} == set(bench.STRATEGIES)
+    assert {"375m", "1b", "8b", "moe", "hybrid"} <= {r.model for r in rows.values()}
+    assert any(r.graph for r in rows.values()) and any(r.mesh for r in rows.values())
+    assert not any("," in name for name in rows), "--rows splits its patterns at commas"
+    assert rows["1b b4 accum4 no sync"].flags()[-1] == "--micro-batches=4"
+
+
+def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
+    data = dict(
+        meta=dict(commit="a" * 40, baseline="b" * 40, date="2026-11-26", gpus=2, device="H200", torch="2.11"),
+        rows=[
+            dict(row=vars(matrix.ROWS[0]) | {}, results={
+                "fsdp2_compile": _result(100.0, 4.0), "fxshard": _result(80.0, 3.9),
+                "fxshard@bbbbbbb": _result(120.0, 3.9)}),
+            dict(row=vars(matrix.Row("moe b2", "moe", 2)), results={
+                "fsdp2_compile": _result(50.0, 3.0), "fxshard": _result(40.0, 3.3)}),
+            dict(row=vars(matrix.Row("g", "375m", 1, graph=True)), results={
+                "fsdp2_compile": _result(100.0, 4.0), "fxshard_capturable": _result(60.0, 3.8, 5.0),
+                "fxshard_graph": _result(20.0, 3.8, 6.0)}),
+            dict(row=vars(matrix.Row("hsdp", "1b", 4, mesh="2,2", gpus=4)), results={}, skipped="needs 4 GPUs"),
+        ],
+    )  # fmt: skip
+    lines = matrix.markdown(data).splitlines()
+    dense, moe, graph, hsdp = lines[-4:]
+    assert "time 0.80x, memory 0.97x" in dense and "| 0.67x |" in dense and dense.endswith("| none |")
+    assert "time 0.80x > 0.6x" in moe and "memory 1.10x > 1.0" in moe
+    assert "reserved vs uncaptured 1.20x > 1.05x" in graph and "time vs uncaptured 0.33x" in graph
+    assert "skipped: needs 4 GPUs" in hsdp
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"head\n{matrix.README_START}\nold\n{matrix.README_END}\ntail\n")
+    matrix.write_readme(readme, matrix.markdown(data), "m.json")
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("head\n") and text.endswith("tail\n") and dense in text

@@ -1,0 +1,316 @@
+"""The benchmark matrix: the paths users run, against FSDP2 + compile and a baseline commit.
+
+    python bench/matrix.py --baseline c3006dc --out bench/results/matrix.json
+    python bench/matrix.py --rows '375m*,moe*' --baseline c3006dc --out matrix.json   # a subset (fnmatch)
+    python bench/matrix.py --list                                                   # the rows
+    python bench/matrix.py --table bench/results/matrix.json --readme README.md     # the README's table
+
+Each row is one model, batch, optimizer and strategy (``ROWS``). For each row,
+each system runs in its own ``torchrun`` process (bench/bench.py
+``--only-system``), one after the other:
+- ``fsdp2_compile``: FSDP2 with each block compiled, the same strategy and optimizer;
+- ``fxshard``: this tree (a CUDA-graph row: ``fxshard_capturable``, the same step uncaptured,
+  and ``fxshard_graph``, captured);
+- ``fxshard@REF``: fxshard at ``--baseline`` (a git ref, or a folder holding its
+  ``fxshard/``), on this tree's models, data and step code, so that a
+  regression shows up as a number.
+Rows that need more GPUs than there are (HSDP 2 x 2 needs 4) are listed as
+skipped. The JSON keeps every result; the markdown table gives step time,
+peak allocated and reserved memory, TFLOP/s per GPU with the MFU against 790
+(a measured bf16 GEMM on an H100/H200) and 989 (the datasheet), and each
+ratio against its target (``TARGETS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = ROOT / ".bench-trees"  # baseline commits' fxshard/, extracted by git archive (ignored by git)
+GEMM_PEAK, DATASHEET_PEAK = 790.0, 989.0  # bf16 TFLOP/s of one H100/H200: measured GEMM, datasheet
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    model: str
+    batch: int
+    optimizer: str = "adamw"  # torch's default AdamW: what users build
+    strategy: str = "zero3"
+    mesh: str | None = None  # "R,S": HSDP
+    frozen_layers: int = 0
+    micro_batches: int = 0
+    graph: bool = False  # the whole step in fxshard.cuda_graph
+    gpus: int = 2  # the fewest GPUs the row means anything on
+
+    def flags(self) -> list[str]:
+        flags = [f"--model={self.model}", f"--batch={self.batch}", f"--optimizer={self.optimizer}",
+                 f"--strategy={self.strategy}"]  # fmt: skip
+        for key in ("mesh", "frozen_layers", "micro_batches"):
+            if getattr(self, key):
+                flags.append(f"--{key.replace('_', '-')}={getattr(self, key)}")
+        return flags
+
+    def systems(self) -> list[str]:
+        """This tree's systems, FSDP2's first (the baseline commit's are added by ``run_row``)."""
+        return ["fsdp2_compile", "fxshard_capturable", "fxshard_graph"] if self.graph else ["fsdp2_compile", "fxshard"]
+
+
+ROWS = [
+    # Models, torch's default AdamW, ZeRO-3.
+    *(Row(f"{m} b{b}", m, b) for m in ("375m", "1b", "8b") for b in (1, 4)),
+    Row("moe b2", "moe", 2),
+    Row("hybrid b2", "hybrid", 2),
+    # Optimizers.
+    Row("1b b4 adamw_fused", "1b", 4, optimizer="adamw_fused"),
+    Row("1b b4 sgd", "1b", 4, optimizer="sgd"),
+    Row("moe b2 adamw_fused", "moe", 2, optimizer="adamw_fused"),
+    # Strategies.
+    Row("1b b4 zero2", "1b", 4, strategy="zero2"),
+    Row("1b b4 zero1", "1b", 4, strategy="zero1"),
+    Row("1b b4 hsdp 2x2", "1b", 4, mesh="2,2", gpus=4),
+    Row("1b b4 frozen tower replicated", "1b", 4, frozen_layers=8),
+    Row("1b b4 frozen tower sharded", "1b", 4, frozen_layers=8, strategy="shard_frozen"),
+    Row("1b b4 accum4 sync each", "1b", 4, micro_batches=4),
+    Row("1b b4 accum4 no sync", "1b", 4, micro_batches=4, strategy="no_sync"),
+    # CUDA graphs: the captured step against the same step uncaptured.
+    Row("375m b1 graph", "375m", 1, graph=True),
+    Row("1b b4 graph", "1b", 4, graph=True),
+    Row("moe b2 graph", "moe", 2, graph=True),
+    Row("8b b1 graph", "8b", 1, graph=True),
+]
+# fxshard's step time over FSDP2 + compile's, at most (MoE: 0.6); peak allocated memory at most 1.0x.
+TARGETS = {"time": 0.9, "moe_time": 0.6, "memory": 1.0, "graph_time": 1.0, "graph_reserved": 1.05}
+
+
+def baseline_tree(ref: str) -> tuple[Path, str]:
+    """The folder holding ``fxshard/`` at ``ref`` (extracted once), and its commit."""
+    if (Path(ref) / "fxshard").is_dir():
+        path = Path(ref)
+    else:
+        path = TREES / ref
+        if not (path / "fxshard").is_dir():
+            commit = git("rev-parse", f"{ref}^{{commit}}")
+            path.mkdir(parents=True, exist_ok=True)
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "fxshard"], check=True,
+                                     capture_output=True).stdout  # fmt: skip
+            subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True)
+            (path / "COMMIT").write_text(commit + "\n")
+    commit_file = path / "COMMIT"
+    return path, commit_file.read_text().strip() if commit_file.exists() else str(path)
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def this_commit() -> str:
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "fxshard", "bench", "examples")
+        return git("rev-parse", "HEAD") + ("+changes" if dirty else "")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return os.environ.get("FXSHARD_COMMIT", "unknown")
+
+
+def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: float, out: Path) -> dict:
+    """One system of one row in its own torchrun; its result, or the failure."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench
+
+    flags = [*row.flags(), f"--only-system={system}", f"--out={out}", f"--device={DEVICE}"]
+    if PROFILE:
+        flags.append(f"--profile={PROFILE}")
+    if tree is not None:
+        flags.append(f"--fxshard-tree={tree}")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(ROOT / "bench" / "bench.py"), *flags]  # fmt: skip
+    print(f"== {row.name}: {system}{' @ ' + str(tree) if tree else ''}", flush=True)
+    status = bench.run_child(command, timeout)
+    if status == 0 and out.exists():
+        child = json.loads(out.read_text())
+        return {"meta": child["meta"], **child["results"][0]}
+    return {"failed": "timed out" if status == 124 else f"exit status {status}"}
+
+
+def run_row(row: Row, baselines: list[tuple[Path, str]], nproc: int, timeout: float, tmp: Path) -> dict:
+    systems = [(s, None, s) for s in row.systems()]
+    ours = row.systems()[-1]
+    systems += [(ours, path, f"{ours}@{commit[:7]}") for path, commit in baselines]
+    results = {}
+    for i, (system, tree, label) in enumerate(systems):
+        results[label] = run_system(row, system, tree, nproc, timeout, tmp / f"{row.name}-{i}.json".replace(" ", "_"))
+    return {"row": dataclasses.asdict(row), "results": results}
+
+
+def gib(r: dict, key: str) -> str:
+    return f"{r[key]:.2f}" if key in r else "-"
+
+
+def cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "failed" in r:
+        return f"failed ({r['failed']})"
+    return f"{r['step_ms']:.1f} ms, {gib(r, 'peak_gib')} / {gib(r, 'peak_reserved_gib')} GiB"
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    if not a or not b or key not in a or key not in b or not b[key]:
+        return None
+    return a[key] / b[key]
+
+
+def verdict(row: dict) -> tuple[list[str], list[str]]:
+    """The ratios of fxshard's result against FSDP2 + compile (and, for a
+    CUDA-graph row, against the same step uncaptured), and the targets missed."""
+    r, spec = row["results"], row["row"]
+    ours = r.get("fxshard_graph" if spec["graph"] else "fxshard")
+    fsdp2 = r.get("fsdp2_compile")
+    shown, missed = [], []
+    target = TARGETS["moe_time"] if spec["model"].startswith("moe") else TARGETS["time"]
+    checks = [("time", ratio(ours, fsdp2, "step_ms"), target), ("memory", ratio(ours, fsdp2, "peak_gib"), 1.0)]
+    if spec["graph"]:
+        plain = r.get("fxshard_capturable")
+        checks += [("time vs uncaptured", ratio(ours, plain, "step_ms"), TARGETS["graph_time"]),
+                   ("reserved vs uncaptured", ratio(ours, plain, "peak_reserved_gib"), TARGETS["graph_reserved"])]  # fmt: skip
+    for name, value, limit in checks:
+        if value is None:
+            continue
+        shown.append(f"{name} {value:.2f}x")
+        if value > limit:
+            missed.append(f"{name} {value:.2f}x > {limit}x")
+    return shown, missed
+
+
+def markdown(data: dict) -> str:
+    meta = data["meta"]
+    lines = [
+        f"{meta.get('gpus', '?')} x {meta.get('device', '?')}, torch {meta.get('torch', '?')}, "
+        f"NCCL {meta.get('nccl', '?')}; fxshard at {meta['commit'][:12]}, baseline fxshard at "
+        f"{(meta.get('baseline') or '-')[:12]}; {meta['date']}. bf16 compute, fp32 reduce and master weights; "
+        "each system in its own process; step time is the median of the timed steps; memory is peak allocated / "
+        "reserved. Targets: step time at most 0.9x FSDP2 + compile (MoE 0.6x), peak memory at most 1.0x; "
+        "a captured step at most 1.0x the time and 1.05x the reserved memory of the same step uncaptured.",
+        "",
+        "| row | FSDP2 + compile | fxshard | ratios | fxshard at baseline | vs baseline | TFLOP/s/GPU (MFU 790 / 989) | targets missed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for row in data["rows"]:
+        r, spec = row["results"], row["row"]
+        if "skipped" in row:
+            lines.append(f"| {spec['name']} | skipped: {row['skipped']} | | | | | | |")
+            continue
+        ours_key = "fxshard_graph" if spec["graph"] else "fxshard"
+        ours = r.get(ours_key)
+        first = (meta.get("baseline") or "")[:7]
+        base = r.get(f"{ours_key}@{first}")
+        if spec["graph"] and r.get("fxshard_capturable"):
+            ours_cell = f"{cell(ours)} (uncaptured {cell(r['fxshard_capturable'])})"
+        else:
+            ours_cell = cell(ours)
+        vs_base = ratio(ours, base, "step_ms")
+        tflops = ours.get("tflops_per_gpu") if ours else None
+        mfu = f"{tflops:.0f} ({tflops / GEMM_PEAK:.0%} / {tflops / DATASHEET_PEAK:.0%})" if tflops else "-"
+        shown, missed = verdict(row)
+        lines.append(
+            f"| {spec['name']} | {cell(r.get('fsdp2_compile'))} | {ours_cell} | {', '.join(shown) or '-'} | "
+            f"{cell(base)} | {f'{vs_base:.2f}x' if vs_base else '-'} | {mfu} | {'; '.join(missed) or 'none'} |"
+        )
+    return "\n".join(lines)
+
+
+README_START, README_END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+
+
+def write_readme(readme: Path, table: str, source: str) -> None:
+    """Replace the README's table between its markers with ``table``."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{readme} has no {README_START} ... {README_END} markers")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    note = f"<!-- generated by: python bench/matrix.py --table {source} --readme {readme.name} -->"
+    readme.write_text(f"{head}{README_START}\n{note}\n\n{table}\n\n{README_END}{tail}")
+
+
+DEVICE = "cuda"
+PROFILE = 0  # --profile: profile the last N steps of every system
+
+
+def main() -> None:
+    global DEVICE, PROFILE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="*", help="comma-separated fnmatch patterns of row names (--list)")
+    parser.add_argument("--baseline", default=None,
+                        help="git refs, or folders holding a commit's fxshard/, comma-separated; the table "
+                        "compares with the first")  # fmt: skip
+    parser.add_argument("--out", default=None, help="JSON (the markdown table goes next to it, .md)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="GPUs (default: all)")
+    parser.add_argument("--timeout", type=float, default=420, help="seconds one system's run may take")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test (gloo)")
+    parser.add_argument("--profile", type=int, default=0, help="profile every system's last N steps (kernels)")
+    parser.add_argument("--list", action="store_true", help="print the rows and exit")
+    parser.add_argument("--table", default=None, help="print the markdown table of this JSON and exit")
+    parser.add_argument("--readme", default=None, help="with --table: write the table into this README")
+    args = parser.parse_args()
+    DEVICE, PROFILE = args.device, args.profile
+    if args.list:
+        print("\n".join(f"{r.name}: {' '.join(r.flags())}{' (graph)' if r.graph else ''}" for r in ROWS))
+        return
+    if args.table:
+        table = markdown(json.loads(Path(args.table).read_text()))
+        if args.readme:
+            write_readme(Path(args.readme), table, args.table)
+        print(table)
+        return
+    patterns = args.rows.split(",")
+    rows = [r for r in ROWS if any(fnmatch.fnmatch(r.name, p) for p in patterns)]
+    if not rows:
+        parser.error(f"no row matches {args.rows!r}; --list shows them")
+    if DEVICE == "cpu":  # the tiny models stand in for each model; no CUDA graph on CPU
+        rows = [dataclasses.replace(r, model=_tiny(r.model), batch=1) for r in rows if not r.graph]
+    nproc = args.nproc_per_node or (_gpus() if DEVICE == "cuda" else 2)
+    baselines = [baseline_tree(ref) for ref in args.baseline.split(",")] if args.baseline else []
+    data: dict = {"meta": {"commit": this_commit(), "baseline": baselines[0][1] if baselines else None,
+                           "baselines": [commit for _, commit in baselines],
+                           "date": datetime.date.today().isoformat(), "gpus": nproc}, "rows": []}  # fmt: skip
+    out = Path(args.out) if args.out else None
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="matrix-") as tmp:
+        for row in rows:
+            if row.gpus > nproc:
+                entry = {"row": dataclasses.asdict(row), "results": {}, "skipped": f"needs {row.gpus} GPUs"}
+            else:
+                entry = run_row(row, baselines, nproc, args.timeout, Path(tmp))
+            data["rows"].append(entry)
+            for result in entry["results"].values():
+                if "meta" in result:
+                    data["meta"].update({k: result["meta"][k] for k in ("device", "torch", "nccl")})
+            if out:  # after every row, so that a later failure keeps the earlier rows
+                out.write_text(json.dumps(data, indent=1))
+                out.with_suffix(".md").write_text(markdown(data) + "\n")
+    print(markdown(data))
+
+
+def _tiny(model: str) -> str:
+    return {"moe": "moe_tiny", "hybrid": "hybrid_tiny"}.get(model, "tiny")
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The benchmark's models: what each builds, its blocks, its loss and its FLOPs.
+
+- ``375m``, ``1b``, ``8b``: the example's plain-PyTorch Llama (RMSNorm, RoPE,
+  causal SDPA, SwiGLU, untied output), full multi-head attention.
+- ``moe``: Hugging Face's OLMoE (transformers' own model code, its default
+  ``grouped_mm`` experts): 32 experts, top-4, 16 layers, 940M parameters.
+- ``hybrid``: tests/models.py's Hybrid at benchmark size: attention blocks,
+  Mamba-style blocks that read their conv's weight directly and pass a weight
+  to a custom op, and grouped-expert MoE layers, in one graph.
+- ``tiny``, ``moe_tiny``, ``hybrid_tiny``: the same code at test size, for a
+  smoke test on CPU (``--device cpu``).
+
+FLOPs per token are 6 x the parameters a token passes through (OLMoE: the
+router's top-k experts, not all of them) + 6 x attention layers x seq x dim,
+the usual training estimate (forward and backward, no recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from examples.llama import Llama, LlamaConfig, lm_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    make: Callable[[], nn.Module]  # on the current default device, seeded by the caller
+    vocab: int
+    seq: int
+    batch: int  # per GPU, unless --batch says otherwise
+    warmup: int  # steps before the timed ones
+    steps: int  # timed steps
+    blocks: Callable[[nn.Module], nn.ModuleList]  # what FSDP2 wraps and compiles one by one
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, tokens) -> next-token loss
+    flops_per_token: Callable[[nn.Module], float]  # training FLOPs per token (see the module docstring)
+
+
+def _llama(cfg: LlamaConfig, batch: int, warmup: int, steps: int) -> ModelSpec:
+    def flops(model: nn.Module) -> float:
+        params = sum(p.numel() for p in model.parameters())
+        return 6 * params + 6 * cfg.layers * cfg.max_len * cfg.dim
+
+    return ModelSpec(
+        make=lambda: Llama(cfg), vocab=cfg.vocab, seq=cfg.max_len, batch=batch, warmup=warmup, steps=steps,
+        blocks=lambda m: m.layers, loss=lambda m, t: lm_loss(m(t), t), flops_per_token=flops,
+    )  # fmt: skip
+
+
+def _olmoe(batch: int, warmup: int, steps: int, **sizes: int) -> ModelSpec:
+    from transformers import OlmoeConfig
+
+    cfg = OlmoeConfig(**sizes, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+    def make() -> nn.Module:
+        from transformers import OlmoeForCausalLM
+
+        return OlmoeForCausalLM(cfg)
+
+    def flops(model: nn.Module) -> float:
+        params = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        active = params - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+        return 6 * active + 6 * cfg.num_hidden_layers * cfg.max_position_embeddings * cfg.hidden_size
+
+    def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(model(input_ids=tokens).logits.float(), tokens)
+
+    return ModelSpec(
+        make=make, vocab=cfg.vocab_size, seq=cfg.max_position_embeddings, batch=batch, warmup=warmup, steps=steps,
+        blocks=lambda m: m.model.layers, loss=loss, flops_per_token=flops,
+    )  # fmt: skip
+
+
+def _hybrid(batch: int, warmup: int, steps: int, seq: int, **sizes) -> ModelSpec:
+    from tests.models import Hybrid
+
+    attention = sizes["pattern"].count("a")
+
+    def flops(model: nn.Module) -> float:
+        # Hybrid's experts run every token (gated to zero), so every parameter counts.
+        return 6 * sum(p.numel() for p in model.parameters()) + 6 * attention * seq * sizes["dim"]
+
+    return ModelSpec(
+        make=lambda: Hybrid(**sizes, max_len=seq), vocab=sizes["vocab"], seq=seq, batch=batch, warmup=warmup,
+        steps=steps, blocks=lambda m: m.layers, loss=lambda m, t: m(t, t), flops_per_token=flops,
+    )  # fmt: skip
+
+
+SEQ = 2048
+MODELS: dict[str, Callable[[], ModelSpec]] = {
+    "375m": lambda: _llama(LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
+                                       tie_embeddings=False), 4, 4, 12),
+    "1b": lambda: _llama(LlamaConfig(vocab=32768, dim=2048, layers=16, heads=16, hidden=5632, max_len=SEQ,
+                                     tie_embeddings=False), 2, 4, 12),
+    "8b": lambda: _llama(LlamaConfig(vocab=128256, dim=4096, layers=32, heads=32, hidden=14336, max_len=SEQ,
+                                     tie_embeddings=False), 1, 3, 8),
+    "moe": lambda: _olmoe(2, 4, 12, vocab_size=32768, hidden_size=1024, intermediate_size=512, num_hidden_layers=16,
+                          num_attention_heads=16, num_key_value_heads=16, num_experts=32, num_experts_per_tok=4,
+                          max_position_embeddings=1024),
+    "hybrid": lambda: _hybrid(2, 4, 12, SEQ, vocab=32768, dim=1024, heads=16, pattern="amx" * 8, mlp_hidden=2816,
+                              mamba_inner=2048, experts=8, expert_hidden=1024, top_k=2),
+    "tiny": lambda: _llama(LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=64,
+                                       tie_embeddings=False), 1, 1, 2),
+    "moe_tiny": lambda: _olmoe(1, 1, 2, vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=64),
+    "hybrid_tiny": lambda: _hybrid(1, 1, 2, 64, vocab=41, dim=20, heads=2, pattern="amx"),
+}  # fmt: skip
