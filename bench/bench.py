@@ -193,17 +193,21 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer, s
     set_to_none = system not in CAPTURABLE or system == "fxshard_graph_none"
 
     def train_step(tokens: torch.Tensor) -> torch.Tensor:
-        losses = []
+        losses, clock = [], PhaseClock()
         for i, micro in enumerate(tokens.chunk(MICRO_BATCHES)):
             if STRATEGY == "no_sync" and system not in REFERENCE:
                 model.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
             with torch.autocast(DEVICE, torch.bfloat16, enabled=system in REFERENCE):
                 loss = spec.loss(model, micro) / MICRO_BATCHES
+            clock.lap("forward")
             loss.backward()
+            clock.lap("backward")
             losses.append(loss.detach())
         loss = torch.stack(losses).sum()
         opt.step()
+        clock.lap("optimizer")
         opt.zero_grad(set_to_none=set_to_none)
+        clock.lap("zero_grad")
         return loss
 
     if system not in GRAPHED:
@@ -216,6 +220,23 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer, s
         raise RuntimeError(f"{system} needs fxshard.cuda_graph (fxshard/graphs.py), which this fxshard "
                            f"({fxshard.__file__}) lacks: update fxshard or leave {system} out of --systems")  # fmt: skip
     return cuda_graph(train_step, warmup=GRAPH_WARMUP)
+
+
+HOST_PHASES: list[dict[str, float]] = []  # per uncaptured step: host seconds per phase (PhaseClock)
+
+
+class PhaseClock:
+    """Host time per phase of one step, with no synchronization: where a step
+    is bound by the host (launches, Python), this is where its time goes."""
+
+    def __init__(self) -> None:
+        self.last, self.laps = time.perf_counter(), {}
+        HOST_PHASES.append(self.laps)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 class PlainGraph:
@@ -328,6 +349,8 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
         peak_reserved_gib=max(run["reserved"], default=0) / 2**30, first_step_s=times[0],
         loss_step10=losses[min(9, len(losses) - 1)], first_step_compile_s=run["phases"], losses=losses,
         host_ms=statistics.median(run["host"][warmup:]) * 1e3,
+        host_phases_ms={k: statistics.median(p.get(k, 0.0) for p in HOST_PHASES[-steps:]) * 1e3
+                        for k in ("forward", "backward", "optimizer", "zero_grad")} if len(HOST_PHASES) >= steps else {},
         step_times_ms=[t * 1e3 for t in times], step_peaks_gib=[p / 2**30 for p in run["peaks"]],
         step_reserved_gib=[p / 2**30 for p in run["reserved"]],
     )  # fmt: skip
@@ -504,6 +527,9 @@ def details(r: dict) -> list[str]:
             lines.append(f"{name} idle per step by transition ({p['streams']} streams): {where}")
     if "host_ms" in r:
         lines.append(f"{name} host time per step until the call returned: {r['host_ms']:.2f} ms")
+    if r.get("host_phases_ms"):
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in r["host_phases_ms"].items())
+        lines.append(f"{name} host ms per phase (no sync, uncaptured steps): {phases}")
     phases = r.get("first_step_compile_s") or {}
     if phases:
         shown = ", ".join(f"{k} {phases[k]:.1f}" for k in COMPILE_PHASES if k in phases)

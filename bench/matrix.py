@@ -114,11 +114,14 @@ def git(*args: str) -> str:
 
 
 def this_commit() -> str:
+    """HEAD, or FXSHARD_COMMIT where set (a copy of the tree whose .git is not its own)."""
+    if os.environ.get("FXSHARD_COMMIT"):
+        return os.environ["FXSHARD_COMMIT"]
     try:
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", "fxshard", "bench", "examples")
         return git("rev-parse", "HEAD") + ("+changes" if dirty else "")
     except (subprocess.CalledProcessError, FileNotFoundError):
-        return os.environ.get("FXSHARD_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: float, out: Path) -> dict:

@@ -67,7 +67,9 @@ def _olmoe(batch: int, warmup: int, steps: int, **sizes: int) -> ModelSpec:
         return 6 * active + 6 * cfg.num_hidden_layers * cfg.max_position_embeddings * cfg.hidden_size
 
     def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        return lm_loss(model(input_ids=tokens).logits.float(), tokens)
+        # use_cache=False, as in training: a key-value cache is inference state, and its
+        # per-layer guards made FSDP2's per-block compile recompile past dynamo's limit.
+        return lm_loss(model(input_ids=tokens, use_cache=False).logits.float(), tokens)
 
     return ModelSpec(
         make=make, vocab=cfg.vocab_size, seq=cfg.max_position_embeddings, batch=batch, warmup=warmup, steps=steps,
