@@ -4,6 +4,7 @@
     python bench/matrix.py --rows '375m*,moe*' --baseline c3006dc --out matrix.json   # a subset (fnmatch)
     python bench/matrix.py --list                                                   # the rows
     python bench/matrix.py --table bench/results/matrix.json --readme README.md     # the README's table
+    python bench/matrix.py --merge a.json b.json --out bench/results/matrix.json     # runs of several calls
 
 Each row is one model, batch, optimizer and strategy (``ROWS``). For each row,
 each system runs in its own ``torchrun`` process (bench/bench.py
@@ -190,19 +191,35 @@ def verdict(row: dict) -> tuple[list[str], list[str]]:
             continue
         shown.append(f"{name} {value:.2f}x")
         if value > limit:
-            missed.append(f"{name} {value:.2f}x > {limit}x")
+            missed.append(f"{name} {value:.3f}x > {limit}x")
     return shown, missed
+
+
+def merge(paths: list[str]) -> dict:
+    """Several matrix runs (device calls) as one: their rows in order, each
+    with its run's commit and date; the meta of the first, with every commit."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [
+        {**row, "commit": run["meta"]["commit"], "date": run["meta"]["date"]} for run in runs for row in run["rows"]
+    ]
+    for run in runs[1:]:
+        for key in ("device", "gpus", "torch", "nccl"):
+            if run["meta"].get(key) != runs[0]["meta"].get(key):
+                raise SystemExit(f"{key} differs between runs ({runs[0]['meta'].get(key)}, {run['meta'].get(key)})")
+    commits = list(dict.fromkeys(run["meta"]["commit"] for run in runs))
+    return {"meta": {**runs[0]["meta"], "commit": ", ".join(commits), "merged": paths}, "rows": rows}
 
 
 def markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         f"{meta.get('gpus', '?')} x {meta.get('device', '?')}, torch {meta.get('torch', '?')}, "
-        f"NCCL {meta.get('nccl', '?')}; fxshard at {meta['commit'][:12]}, baseline fxshard at "
+        f"NCCL {meta.get('nccl', '?')}; fxshard at {meta['commit']}, baseline fxshard at "
         f"{(meta.get('baseline') or '-')[:12]}; {meta['date']}. bf16 compute, fp32 reduce and master weights; "
         "each system in its own process; step time is the median of the timed steps; memory is peak allocated / "
         "reserved. Targets: step time at most 0.9x FSDP2 + compile (MoE 0.6x), peak memory at most 1.0x; "
-        "a captured step at most 1.0x the time and 1.05x the reserved memory of the same step uncaptured.",
+        "a captured step at most 1.0x the time and 1.05x the reserved memory of the same step uncaptured."
+        + (f" Rows from {len(set(meta['merged']))} device calls; the systems of a row ran in one." if meta.get("merged") else ""),
         "",
         "| row | FSDP2 + compile | fxshard | ratios | fxshard at baseline | vs baseline | TFLOP/s/GPU (MFU 790 / 989) | targets missed |",
         "|---|---|---|---|---|---|---|---|",
@@ -264,10 +281,18 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the rows and exit")
     parser.add_argument("--table", default=None, help="print the markdown table of this JSON and exit")
     parser.add_argument("--readme", default=None, help="with --table: write the table into this README")
+    parser.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON into --out")
     args = parser.parse_args()
     DEVICE, PROFILE = args.device, args.profile
     if args.list:
         print("\n".join(f"{r.name}: {' '.join(r.flags())}{' (graph)' if r.graph else ''}" for r in ROWS))
+        return
+    if args.merge:
+        data = merge(args.merge)
+        if args.out:
+            Path(args.out).write_text(json.dumps(data, indent=1))
+            Path(args.out).with_suffix(".md").write_text(markdown(data) + "\n")
+        print(markdown(data))
         return
     if args.table:
         table = markdown(json.loads(Path(args.table).read_text()))

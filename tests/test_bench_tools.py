@@ -157,8 +157,8 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
     lines = matrix.markdown(data).splitlines()
     dense, moe, graph, hsdp = lines[-4:]
     assert "time 0.80x, memory 0.97x" in dense and "| 0.67x |" in dense and dense.endswith("| none |")
-    assert "time 0.80x > 0.6x" in moe and "memory 1.10x > 1.0" in moe
-    assert "reserved vs uncaptured 1.20x > 1.05x" in graph and "time vs uncaptured 0.33x" in graph
+    assert "time 0.800x > 0.6x" in moe and "memory 1.100x > 1.0" in moe
+    assert "reserved vs uncaptured 1.200x > 1.05x" in graph and "time vs uncaptured 0.33x" in graph
     assert "skipped: needs 4 GPUs" in hsdp
     (tmp_path / "m.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
@@ -166,3 +166,14 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
     matrix.write_readme(readme, matrix.markdown(data), "m.json")
     text = readme.read_text()
     assert "old" not in text and text.startswith("head\n") and text.endswith("tail\n") and dense in text
+
+
+def test_readme_table_is_the_one_generated_from_the_results():
+    root = Path(__file__).resolve().parent.parent
+    data = json.loads((root / "bench" / "results" / "matrix.json").read_text())
+    readme = (root / "README.md").read_text()
+    table = readme.split(matrix.README_START, 1)[1].split(matrix.README_END, 1)[0]
+    assert matrix.markdown(data) in table, (
+        "README.md's benchmark table is not bench/results/matrix.json's; regenerate it: "
+        "python bench/matrix.py --table bench/results/matrix.json --readme README.md"
+    )
