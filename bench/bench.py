@@ -140,6 +140,7 @@ FROZEN_LAYERS = 0  # the embedding and this many first layers frozen: a frozen t
 STRATEGY = "zero3"  # --strategy
 OPTIMIZER = "adamw_fused"  # --optimizer
 MESH: tuple[int, ...] | None = None  # --mesh R,S: an HSDP mesh of R replicas of S shards
+CAPTURABLE_OPTIMIZER = False  # --capturable: every system's AdamW capturable, as a captured step's must be
 
 
 FXSHARD_KWARGS: dict = {}
@@ -184,7 +185,7 @@ def make_optimizer(system: str, params: list[torch.nn.Parameter]) -> torch.optim
     if OPTIMIZER == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     fused = {"fused": True} if OPTIMIZER == "adamw_fused" else {}
-    capturable = {"capturable": True} if system in CAPTURABLE else {}
+    capturable = {"capturable": True} if system in CAPTURABLE or CAPTURABLE_OPTIMIZER else {}
     return torch.optim.AdamW(params, lr=3e-4, **fused, **capturable)
 
 
@@ -343,6 +344,7 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
     result = dict(
         model=name, system=system, params=params, batch=batch, micro_batches=MICRO_BATCHES, seq=spec.seq,
         world_size=dist.get_world_size(), strategy=STRATEGY, optimizer=OPTIMIZER, mesh=list(mesh.shape),
+        capturable=CAPTURABLE_OPTIMIZER or system in CAPTURABLE,
         frozen_layers=FROZEN_LAYERS, fxshard_tree=FXSHARD_TREE,
         warmup=warmup, step_ms=median * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / median,
         tflops_per_gpu=flops / median / 1e12, peak_gib=max(run["peaks"], default=0) / 2**30,
@@ -591,6 +593,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
                         help="each system's spelling of it: see STRATEGIES")  # fmt: skip
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw_fused",
                         help="adamw: torch's default AdamW (foreach); adamw_fused; sgd: SGD with momentum")  # fmt: skip
+    parser.add_argument("--capturable", action="store_true",
+                        help="AdamW(capturable=True) for every system, not only the captured ones (a fair baseline)")  # fmt: skip
     parser.add_argument("--mesh", default=None, help="R,S: an HSDP mesh of R replicas of S shards (default: 1-D)")
     parser.add_argument("--fxshard-tree", default=None,
                         help="import fxshard from this folder (a baseline commit's files, see bench/matrix.py)")  # fmt: skip
@@ -614,7 +618,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 # Options the driver passes on to each system's process as they were given.
 FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world",
-             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "fxshard_tree")  # fmt: skip
+             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "fxshard_tree", "capturable")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -623,8 +627,11 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 def child_command(args: argparse.Namespace, system: str, out: Path) -> list[str]:
     flags = [f"--only-system={system}", f"--out={out}"]
     for key in FORWARDED:
-        if getattr(args, key) not in (None, 0):
-            flags.append(f"--{key.replace('_', '-')}={getattr(args, key)}")
+        value = getattr(args, key, None)
+        if value is True:
+            flags.append(f"--{key.replace('_', '-')}")
+        elif value not in (None, 0, False):
+            flags.append(f"--{key.replace('_', '-')}={value}")
     script = str(Path(__file__).resolve())
     if args.fake_world:
         return [sys.executable, script, *flags]
@@ -717,11 +724,11 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 
 def main() -> None:
     parser, args = parse_args()
-    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH
+    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH, CAPTURABLE_OPTIMIZER
     DEVICE = args.device
     MICRO_BATCHES = args.micro_batches or 1
     FROZEN_LAYERS = args.frozen_layers
-    STRATEGY, OPTIMIZER = args.strategy, args.optimizer
+    STRATEGY, OPTIMIZER, CAPTURABLE_OPTIMIZER = args.strategy, args.optimizer, args.capturable
     MESH = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
     PROFILE = args.profile
     MEMORY_STEP = args.memory_step

@@ -59,6 +59,8 @@ class Row:
         for key in ("mesh", "frozen_layers", "micro_batches"):
             if getattr(self, key):
                 flags.append(f"--{key.replace('_', '-')}={getattr(self, key)}")
+        if self.graph:  # a captured step's AdamW is capturable: give every system the same one
+            flags.append("--capturable")
         return flags
 
     def systems(self) -> list[str]:
@@ -133,6 +135,8 @@ def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: fl
     flags = [*row.flags(), f"--only-system={system}", f"--out={out}", f"--device={DEVICE}"]
     if PROFILE:
         flags.append(f"--profile={PROFILE}")
+    if MEMORY_STEP is not None:
+        flags.append(f"--memory-step={MEMORY_STEP}")
     if tree is not None:
         flags.append(f"--fxshard-tree={tree}")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -264,10 +268,11 @@ def write_readme(readme: Path, table: str, source: str) -> None:
 
 DEVICE = "cuda"
 PROFILE = 0  # --profile: profile the last N steps of every system
+MEMORY_STEP = None  # --memory-step: what is alive at this step's peak, for every system
 
 
 def main() -> None:
-    global DEVICE, PROFILE
+    global DEVICE, PROFILE, MEMORY_STEP
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="*", help="comma-separated fnmatch patterns of row names (--list)")
     parser.add_argument("--baseline", default=None,
@@ -278,12 +283,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=420, help="seconds one system's run may take")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test (gloo)")
     parser.add_argument("--profile", type=int, default=0, help="profile every system's last N steps (kernels)")
+    parser.add_argument("--memory-step", type=int, default=None, help="list what is alive at step N's peak")
     parser.add_argument("--list", action="store_true", help="print the rows and exit")
     parser.add_argument("--table", default=None, help="print the markdown table of this JSON and exit")
     parser.add_argument("--readme", default=None, help="with --table: write the table into this README")
     parser.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON into --out")
     args = parser.parse_args()
-    DEVICE, PROFILE = args.device, args.profile
+    DEVICE, PROFILE, MEMORY_STEP = args.device, args.profile, args.memory_step
     if args.list:
         print("\n".join(f"{r.name}: {' '.join(r.flags())}{' (graph)' if r.graph else ''}" for r in ROWS))
         return

@@ -319,6 +319,14 @@ class ShardParameter(DTensor):
         self.write_full(src)
         return self
 
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors: dict, flatten_spec: Any, outer_size: Any, outer_stride: Any) -> Any:
+        # DTensor's rebuilds a DTensor; compiled code that takes shards as
+        # inputs (a ``torch.compile``d optimizer step) must see their own type,
+        # or AOTAutograd's runtime check refuses them.
+        plain = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
+        return ShardParameter(compat.local_tensor(plain), compat.dtensor_spec(plain), requires_grad=plain.requires_grad)
+
     def write_full(self, full: torch.Tensor) -> None:
         """Copy this rank's rows of ``full``, the whole parameter, into the shard."""
         if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(self.shape):

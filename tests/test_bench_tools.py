@@ -60,7 +60,8 @@ def test_gpu_busy_is_the_union_of_all_kernels():
 def _args(**kw) -> SimpleNamespace:
     base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, memory_step=None,
                 fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None, frozen_layers=0,
-                micro_batches=None, strategy="zero3", optimizer="adamw", mesh=None, fxshard_tree=None)  # fmt: skip
+                micro_batches=None, strategy="zero3", optimizer="adamw", mesh=None, fxshard_tree=None,
+                capturable=False)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 

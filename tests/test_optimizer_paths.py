@@ -151,3 +151,21 @@ def test_clip_grad_norm_issues_the_ops_of_plain_dtensors(fake_pg):
     assert counts[0] == counts[1], f"clip_grad_norm_: {dict(counts[0])} over the shards, {dict(counts[1])} plain"
     assert any(op.startswith("aten._foreach") for op in counts[0]), f"clip_grad_norm_: no foreach op in {counts[0]}"
     assert torch.equal(norms[0].full_tensor(), norms[1].full_tensor())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_optimizer_step_over_shards(fake_pg, backend):
+    """``torch.compile`` of a step that takes the shards as inputs: AOTAutograd
+    rebuilds each input from ``__tensor_unflatten__`` and then checks its type,
+    which refused the shards (DTensor's rebuilds a DTensor). The compiled step
+    must match the eager one."""
+    shards, _ = shards_and_dtensors(fake_pg)
+    twins, _ = shards_and_dtensors(fake_pg)
+    eager, compiled = torch.optim.AdamW(shards, lr=1e-2), torch.optim.AdamW(twins, lr=1e-2)
+    step = torch.compile(compiled.step, backend=backend)
+    for _ in range(3):
+        eager.step()
+        step()
+    assert all(type(p) is type(shards[0]) for p in twins), "the compiled step replaced the shards"
+    for a, b in zip(shards, twins):
+        torch.testing.assert_close(compat.local_tensor(b), compat.local_tensor(a), rtol=1e-5, atol=1e-6)
