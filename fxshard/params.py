@@ -311,7 +311,10 @@ class ShardParameter(DTensor):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        self.copy_(value)
+        # A write to the values, as ``.data =`` is, not an op autograd records
+        # (``copy_`` on a leaf that requires grad refuses one otherwise).
+        with torch.no_grad():
+            self.copy_(value)
 
     def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> ShardParameter:
         if isinstance(src, DTensor):

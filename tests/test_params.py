@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import distribute_tensor
 
 import fxshard
 from examples.llama import RMSNorm, lm_loss, rope_tables
@@ -63,8 +64,29 @@ def _shard_writes(model: nn.Module, ref: nn.Module, seed: int) -> None:
         ref[2].weight.mul_(2)
     shards["0.bias"].data.add_(0.5)  # an EMA swap's p.data.copy_, a manual SGD's p.data.add_
     ref[0].bias.data.add_(0.5)
+    halved = ref[2].weight.detach() / 2  # a DTensor sharded like the shard (FSDP2's way to load values)
+    shards["2.weight"].data = distribute_tensor(halved, shards["2.weight"].device_mesh, shards["2.weight"].placements)
+    ref[2].weight.data = halved.clone()
     with pytest.raises(ValueError, match="full shape"):
         shards["0.bias"].data = torch.zeros(2)
+
+
+def reinit_check(rank: int, world_size: int) -> dict:
+    """``reset_parameters()`` with gradients enabled (it writes through the
+    gathered value, under ``nn.init``'s own no_grad), on rows that shard
+    unevenly, before and after the first call: the unsharded module's values."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3, bias=True).to(_device())
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend="aot_eager")
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2)).to(_device())
+    for seed in (1, 2):
+        for m in (model, ref):
+            torch.manual_seed(seed)
+            m.reset_parameters()
+        _same(model, ref, f"reset_parameters() #{seed}")
+        model(x).sum().backward()
+    return {}
 
 
 def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
@@ -328,7 +350,7 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
-    checks = {"writes": writes_check, "optimizer_before_compile": optimizer_before_compile_check,
+    checks = {"writes": writes_check, "reinit": reinit_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
@@ -351,6 +373,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
 def test_writes_optimizers_and_conversions(world_size):
     names = [
         "writes",
+        "reinit",
         "optimizer_before_compile",
         "conversions",
         "writes_zero1",

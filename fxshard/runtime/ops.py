@@ -80,8 +80,14 @@ _STORES: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictiona
 
 
 def _no_alias(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    # A custom op's output may not alias its input (world size 1 gathers nothing).
-    return out.clone() if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr() else out
+    # A custom op's output may not alias its input (world size 1 gathers
+    # nothing), and is best not a view: uneven shards gather padded rows, and
+    # autograd refuses in-place writes to a view made inside a custom op's
+    # Function, which a full value read outside the forward gets from
+    # ``nn.init`` or ``reset_parameters()`` (see [Note: writes to gathered
+    # parameters]). In compiled graphs the passes replace these ops.
+    aliased = out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+    return out.clone() if aliased or out._base is not None else out
 
 
 @torch.library.custom_op("fxshard::unshard", mutates_args=())
