@@ -198,6 +198,14 @@ def gathered_parameter(value: torch.Tensor, root: torch.Tensor, sink: Sink, sour
     return wrapped
 
 
+def parameter_of(value: Any) -> nn.Parameter | None:
+    """The parameter ``value`` is: a parameter itself, or the whole value
+    read from ``module.weight`` (its ``ParameterLink``); None otherwise."""
+    if isinstance(value, GatheredParameter):
+        return value._fxshard_link.param if value._fxshard_link is not None else None
+    return value if isinstance(value, nn.Parameter) else None
+
+
 class ParameterLink:
     """What a parameter's full value read outside the forward forwards to
     the parameter: ``.grad``, the shard's gradient gathered, and gradient

@@ -96,6 +96,23 @@ class FXShardModule:
         # RootState.take), so parameters, units and optimizers keep their tensors.
         return param_writes.apply_to_shards(self, fn, self.__dict__[ROOT_STATE].take, recurse)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        params = self.__dict__.get("_parameters")
+        current = params.get(name) if params is not None else None
+        if current is not None and isinstance(current, DTensor):
+            target = param_writes.parameter_of(value)
+            if target is current:
+                return  # the parameter assigned to itself (a tie restated in init_weights): nothing changes
+            if target is not None:
+                fqn = self.__dict__[ROOT_STATE].fqns.get(id(current), name)
+                raise ValueError(
+                    f"assigning another parameter to {fqn!r} after fxshard.compile: compile fixed which "
+                    "parameter each module holds (and so which weights are tied and how they are gathered). "
+                    "Tie or replace parameters before fxshard.compile; to give a parameter new values, "
+                    "use load_state_dict() or copy_()"
+                )
+        super().__setattr__(name, value)
+
     def get_parameter(self, target: str) -> nn.Parameter:
         # The registered parameter, the shard, as ``named_parameters()`` gives
         # it; torch's ``getattr`` would give the gathered full value and refuse it.

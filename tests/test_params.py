@@ -89,6 +89,27 @@ def reinit_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def reassign_check(rank: int, world_size: int) -> dict:
+    """``self.embed.weight = self.output.weight`` after compile, as torchtitan's
+    and Hugging Face's init of tied models does: the parameter assigned to
+    itself changes nothing, as in PyTorch; another parameter raises, naming
+    the fix (compile fixed what each module holds)."""
+    torch.manual_seed(0)
+    model = fxshard.compile(models.TinyLlama(tie=True).to(_device()), backend="aot_eager")
+    tied = model.get_parameter("embed.weight")
+    model.embed.weight = model.output.weight
+    model.output.weight = tied
+    assert model.get_parameter("embed.weight") is tied and model.get_parameter("output.weight") is tied
+    with pytest.raises(ValueError, match="Tie or replace parameters before fxshard.compile"):
+        model.norm.weight = model.output.weight
+    with pytest.raises(TypeError):  # a plain tensor is no parameter, as in PyTorch
+        model.norm.weight = torch.ones(model.norm.weight.shape, device=_device())
+    tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(rank)).to(_device())
+    lm_loss(model(tokens), tokens).backward()
+    assert tied.grad is not None and model.get_parameter("output.weight") is tied
+    return {}
+
+
 def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``zero_stage=1``: the writes must reach the kept full copies too (see [Note: ZeRO-1])."""
     torch.manual_seed(0)
@@ -350,7 +371,7 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
-    checks = {"writes": writes_check, "reinit": reinit_check, "optimizer_before_compile": optimizer_before_compile_check,
+    checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
@@ -374,6 +395,7 @@ def test_writes_optimizers_and_conversions(world_size):
     names = [
         "writes",
         "reinit",
+        "reassign",
         "optimizer_before_compile",
         "conversions",
         "writes_zero1",
