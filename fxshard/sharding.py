@@ -69,7 +69,7 @@ from fxshard.runtime.collectives import Replicas, shard_range
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
 from fxshard.runtime.plans import PlanTable
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
-from fxshard.runtime.units import ParamInfo, Units
+from fxshard.runtime.units import ParamInfo, Units, in_slot
 
 if TYPE_CHECKING:
     from fxshard.passes.pipeline import FXShardBackend
@@ -371,7 +371,7 @@ class RootState:
         if old.is_meta:  # to_empty: memory, and no values yet
             made = self.materialized.get(id(param))
             if made is None or made[0]() is not param:
-                replacement = param_writes.shard_parameter(applied, param.requires_grad)
+                replacement = param_writes.shard_parameter(_slot_backed(applied), param.requires_grad)
                 replacement.mark_empty()
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
                 param_writes.retire(param, fqn)
@@ -599,6 +599,17 @@ def _swap_class(module: nn.Module, properties: dict[str, property], state: RootS
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
+def _slot_backed(shard: DTensor) -> DTensor:
+    """A sharded DTensor whose local tensor starts a slot buffer of its own
+    (``in_slot``, see Units.rehome); a replicated one as it is."""
+    dims = [i for i, p in enumerate(shard.placements) if p.is_shard()]
+    if not dims:
+        return shard
+    local = in_slot(compat.local_tensor(shard), shard.shape, shard.device_mesh.size(dims[0]))
+    return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False, shape=shard.shape,
+                              stride=shard.stride())  # fmt: skip
+
+
 def _shard_of(full: torch.Tensor, mesh: DeviceMesh, shard_mesh: DeviceMesh, spec: ParamPlan) -> DTensor:
     """``full`` as this rank's DTensor on ``mesh``: replicated on every
     dimension but the last (``shard_mesh``), where ``spec`` says."""
@@ -611,7 +622,7 @@ def _shard_of(full: torch.Tensor, mesh: DeviceMesh, shard_mesh: DeviceMesh, spec
                                 stride=full.stride())  # fmt: skip
         return param_writes.shard_parameter(dt, spec.requires_grad)
     start, end = shard_range(full.shape[0], shard_mesh.size(), shard_mesh.get_local_rank())
-    local = full[start:end].clone()
+    local = in_slot(full[start:end], full.shape, shard_mesh.size())  # see Units.rehome
     dt = DTensor.from_local(local, mesh, [*outer, Shard(0)], run_check=False, shape=full.shape,
                             stride=full.stride())  # fmt: skip
     return param_writes.shard_parameter(dt, spec.requires_grad)

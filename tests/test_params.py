@@ -110,6 +110,30 @@ def reassign_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def state_dict_aliases_check(rank: int, world_size: int) -> dict:
+    """A state dict, or a ``to_local()`` view, taken after compile (and after
+    ``to_empty`` and init) but before the first call keeps aliasing the
+    parameters through training, as FSDP2's does: the first call gives the
+    shards their units' slots, which must keep the shards' memory."""
+    for meta in (False, True):
+        torch.manual_seed(0)
+        model = fxshard.compile(_meta_llama() if meta else models.TinyLlama().to(_device()), backend="aot_eager")
+        if meta:
+            model.to_empty(device=_device())
+            init_weights(model)
+        state, views = model.state_dict(), {n: p.to_local() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(rank)).to(_device())
+        for _ in range(2):
+            lm_loss(model(tokens), tokens).backward()
+            opt.step()
+        for name, p in model.named_parameters():
+            for what, held in (("state_dict()", state[name].to_local()), ("to_local()", views[name])):
+                assert held.data_ptr() == p.to_local().data_ptr(), f"meta={meta}: {what} of {name} stopped aliasing"
+                torch.testing.assert_close(held, p.to_local(), atol=0, rtol=0, equal_nan=True)
+    return {}
+
+
 def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``zero_stage=1``: the writes must reach the kept full copies too (see [Note: ZeRO-1])."""
     torch.manual_seed(0)
@@ -371,7 +395,8 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
-    checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check, "optimizer_before_compile": optimizer_before_compile_check,
+    checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check,
+              "state_dict_aliases": state_dict_aliases_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
@@ -396,6 +421,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "writes",
         "reinit",
         "reassign",
+        "state_dict_aliases",
         "optimizer_before_compile",
         "conversions",
         "writes_zero1",

@@ -17,9 +17,13 @@ on every rank:
   "misaligned address" on an H200). In memory each member's slot is a
   buffer of its own (``Unit.slots``), and member ``i``'s local shard is its
   first ``local_rows_i * row_i`` elements (the rest is padding, never
-  read). ``Units.rehome`` copies each local shard into its slot and makes
-  the DTensor parameter hold that view instead; the parameter objects, and
-  any optimizer holding them, are unchanged.
+  read). Shards are made in their slots (``in_slot``, at compile and at
+  ``to_empty``), and ``Units.rehome`` adopts them as they are, so that what
+  aliases a shard (a state dict taken before the first call) keeps tracking
+  it; a shard that is not in its slot (the user gave the DTensor another
+  local tensor) is copied into a new slot, which the DTensor then holds.
+  Either way the parameter objects, and any optimizer holding them, are
+  unchanged.
 - A local shard starts its own storage (storage offset 0), never in the
   middle of a buffer shared with other members. A DTensor takes its
   wrapper's storage offset from its local tensor (every DTensor op's output
@@ -96,6 +100,21 @@ log = logging.getLogger("fxshard")
 MEMBER_ALIGN = 16  # elements: 16 bytes or more for every dtype
 
 
+def slot_numel(shape: Sequence[int], world_size: int) -> int:
+    """Elements of a member's slot: its padded rows per rank times its row (see the Note)."""
+    return chunk_rows(shape[0], world_size) * math.prod(shape[1:])
+
+
+def in_slot(local: torch.Tensor, shape: Sequence[int], world_size: int) -> torch.Tensor:
+    """``local``'s values at the front of a zeroed slot buffer of its own:
+    where a shard is made, so that ``Unit.rehome`` adopts it in place."""
+    slot = torch.zeros(slot_numel(shape, world_size), dtype=local.dtype, device=local.device)
+    view = slot[: local.numel()].view(local.shape)
+    with torch.no_grad():
+        view.copy_(local)
+    return view
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """What units need to know of one parameter."""
@@ -140,7 +159,8 @@ class Unit:
         members, offset = [], 0
         for info in infos:
             row = math.prod(info.shape[1:])
-            chunk = chunk_rows(info.shape[0], world_size)
+            chunk = chunk_rows(info.shape[0], world_size)  # slot_numel's
+
             offset = -(-offset // MEMBER_ALIGN) * MEMBER_ALIGN
             members.append(Member(info, chunk, row, offset))
             offset += chunk * row
@@ -158,12 +178,19 @@ class Unit:
         return self.world_size * self.numel * self.gather_dtype.itemsize
 
     def rehome(self) -> None:
-        """Move every member's local shard to the front of a slot buffer of
-        its own (see the Note: never at an offset into a shared buffer)."""
+        """Give every member's local shard a slot buffer of its own, with the
+        shard at its front (see the Note: never at an offset into a shared
+        buffer). A shard made in its slot (``in_slot``) keeps its memory, so
+        what aliases it (a state dict taken before the first call, a
+        ``to_local()`` view) keeps tracking the parameter; any other is
+        copied into a new slot, which the DTensor then holds."""
         slots = []
         with torch.no_grad():
             for m in self.members:
                 local = m.info.local()
+                if _fills_slot(local, m, self.shard_dtype):
+                    slots.append(local.new_empty(0).set_(local.untyped_storage(), 0, (m.slot,)))
+                    continue
                 slot = torch.zeros(m.slot, dtype=self.shard_dtype, device=self.device)
                 view = slot[: m.local_numel].view(local.shape)
                 view.copy_(local)
@@ -184,6 +211,16 @@ class Unit:
             copy[: m.local_numel].copy_(m.info.local().reshape(-1))
             copies.append(copy)
         return tuple(copies)
+
+
+def _fills_slot(local: torch.Tensor, m: Member, dtype: torch.dtype) -> bool:
+    """``local`` starts a storage of its own that holds its whole slot."""
+    return (
+        local.storage_offset() == 0
+        and local.is_contiguous()
+        and local.dtype == dtype
+        and local.untyped_storage().nbytes() >= m.slot * dtype.itemsize
+    )
 
 
 def _starts_slot(m: Member, slot: torch.Tensor) -> bool:
