@@ -330,6 +330,51 @@ class ShardParameter(DTensor):
         self.write_full(src)
         return self
 
+    # [Note: random init through the shards]
+    # torchtitan's init_weights, and any loop over model.parameters(), runs
+    # nn.init on the shards themselves. DTensor draws each rank's rows on
+    # its own: on a CPU mesh every rank draws the same values (repeated rows
+    # that no training separates), and on GPUs the values differ from the
+    # unsharded model's. The in-place random fills below draw the whole
+    # parameter instead, from the same generator and in the same order as
+    # the unsharded parameter would, and keep this rank's rows: with the same
+    # seed the weights equal the unsharded model's at any world size, and no
+    # two ranks hold the same rows. nn.init's functions all start with one of
+    # these (trunc_normal_ with uniform_, then deterministic in-place ops).
+    # Random ops that make new tensors (torch.randn_like(p)) are DTensor's.
+    def uniform_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("uniform_", args, kwargs)
+
+    def normal_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("normal_", args, kwargs)
+
+    def bernoulli_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("bernoulli_", args, kwargs)
+
+    def random_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("random_", args, kwargs)
+
+    def exponential_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("exponential_", args, kwargs)
+
+    def cauchy_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("cauchy_", args, kwargs)
+
+    def log_normal_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("log_normal_", args, kwargs)
+
+    def geometric_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("geometric_", args, kwargs)
+
+    def _fill_full(self, method: str, args: tuple, kwargs: dict) -> ShardParameter:
+        if self.requires_grad and torch.is_grad_enabled():  # as torch refuses it on any leaf
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        local = compat.local_tensor(self)
+        full = torch.empty(self.shape, dtype=self.dtype, device=local.device)
+        getattr(full, method)(*args, **kwargs)
+        copy_rows(full, self, local)
+        return self
+
     @staticmethod
     def __tensor_unflatten__(inner_tensors: dict, flatten_spec: Any, outer_size: Any, outer_stride: Any) -> Any:
         # DTensor's rebuilds a DTensor; compiled code that takes shards as

@@ -109,7 +109,7 @@ class FXShardModule:
                     f"assigning another parameter to {fqn!r} after fxshard.compile: compile fixed which "
                     "parameter each module holds (and so which weights are tied and how they are gathered). "
                     "Tie or replace parameters before fxshard.compile; to give a parameter new values, "
-                    "use load_state_dict() or copy_()"
+                    "use load_state_dict() without assign=True, or copy_() into it"
                 )
         super().__setattr__(name, value)
 

@@ -102,6 +102,10 @@ def reassign_check(rank: int, world_size: int) -> dict:
     assert model.get_parameter("embed.weight") is tied and model.get_parameter("output.weight") is tied
     with pytest.raises(ValueError, match="Tie or replace parameters before fxshard.compile"):
         model.norm.weight = model.output.weight
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # DTensors, as FSDP2's init loads
+    with pytest.raises(RuntimeError, match="without assign=True"):  # torch wraps our ValueError
+        model.load_state_dict(state, assign=True)  # would untie the embedding and output, unseen by the graph
+    model.load_state_dict(state)
     with pytest.raises(TypeError):  # a plain tensor is no parameter, as in PyTorch
         model.norm.weight = torch.ones(model.norm.weight.shape, device=_device())
     tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(rank)).to(_device())
@@ -131,6 +135,30 @@ def state_dict_aliases_check(rank: int, world_size: int) -> dict:
             for what, held in (("state_dict()", state[name].to_local()), ("to_local()", views[name])):
                 assert held.data_ptr() == p.to_local().data_ptr(), f"meta={meta}: {what} of {name} stopped aliasing"
                 torch.testing.assert_close(held, p.to_local(), atol=0, rtol=0, equal_nan=True)
+    return {}
+
+
+def init_through_shards_check(rank: int, world_size: int) -> dict:
+    """Init through the shards themselves (``model.parameters()``, as
+    torchtitan's ``init_weights`` does): with the same seed, the unsharded
+    model's weights at any world size (see [Note: random init through the
+    shards]); DTensor alone draws each rank's rows on its own."""
+    inits = [lambda p: nn.init.normal_(p, std=0.02), lambda p: nn.init.uniform_(p, -0.1, 0.1),
+             lambda p: nn.init.kaiming_uniform_(p, a=math.sqrt(5)) if p.dim() > 1 else nn.init.zeros_(p),
+             lambda p: nn.init.xavier_normal_(p) if p.dim() > 1 else nn.init.ones_(p),
+             lambda p: nn.init.trunc_normal_(p, std=0.02)]  # fmt: skip
+    torch.manual_seed(0)
+    model = models.TinyLlama(tie=False).to(_device())
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend="aot_eager")
+    for i, init in enumerate(inits):
+        for m in (model, ref):
+            torch.manual_seed(i)
+            for p in m.parameters():
+                init(p)
+        _same(model, ref, f"init #{i} through the shards")
+    with pytest.raises(RuntimeError, match="leaf Variable"):  # grad mode: torch refuses it on any such leaf
+        model.get_parameter("norm.weight").normal_()
     return {}
 
 
@@ -396,7 +424,8 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check,
-              "state_dict_aliases": state_dict_aliases_check, "optimizer_before_compile": optimizer_before_compile_check,
+              "state_dict_aliases": state_dict_aliases_check, "init_through_shards": init_through_shards_check,
+              "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
@@ -422,6 +451,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "reinit",
         "reassign",
         "state_dict_aliases",
+        "init_through_shards",
         "optimizer_before_compile",
         "conversions",
         "writes_zero1",

@@ -300,3 +300,40 @@ def tag_body_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> f
             for view in full_weight_views(node, exclude=in_backward)[1:]:
                 view.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return gm
+
+
+def resolve_call_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Give each body call (``invoke_subgraph``) its inputs without lazy
+    conjugate or negative bits: ``resolve_conj`` and ``resolve_neg`` before
+    every complex input, and before any input whose value has either bit.
+
+    Autograd saves a complex weight's lazy conjugate for backward (Llama 3's
+    RoPE: ``freqs_cis`` in ``x * freqs_cis``), and torch has no
+    ``invoke_subgraph`` kernel for a tensor with the bit ("could not find
+    kernel for HigherOrderOperator invoke_subgraph at dispatch key
+    Conjugate"), under either compiler. On a tensor without the bit each
+    resolve returns it as it is. Runs on the forward and backward graphs; a
+    graph without calls is left alone."""
+    graph, changed = gm.graph, False
+    for call in list(graph.nodes):
+        if call.target is not _HOP:
+            continue
+        args = list(call.args)
+        for i, arg in enumerate(args[2:], start=2):
+            value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if not isinstance(value, torch.Tensor) or not _may_be_lazy(value):
+                continue
+            with graph.inserting_before(call):
+                resolved = graph.call_function(torch.ops.aten.resolve_conj.default, (arg,))
+                resolved = graph.call_function(torch.ops.aten.resolve_neg.default, (resolved,))
+            resolved.meta["val"] = value.resolve_conj().resolve_neg() if value.is_conj() or value.is_neg() else value
+            args[i], changed = resolved, True
+        call.args = tuple(args)
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _may_be_lazy(value: torch.Tensor) -> bool:
+    return value.is_complex() or value.is_conj() or value.is_neg()

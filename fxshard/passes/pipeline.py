@@ -47,6 +47,7 @@ from fxshard.passes.outline import (
     OutlineRecord,
     outline_blocks_pass,
     reroute_saved_inputs_pass,
+    resolve_call_inputs_pass,
     tag_body_inputs_pass,
 )
 from fxshard.passes.report import GraphReport, graph_report
@@ -291,6 +292,7 @@ class FXShardBackend:
                                      prefetch=self.spec.prefetch,
                                      max_reduces_in_flight=self.spec.reduces_in_flight)  # fmt: skip
         passes = [
+            GraphPass("resolve_call_inputs", resolve_call_inputs_pass),
             GraphPass("bucket_collectives", functools.partial(bucket_collectives_pass, units=self.units)),
             GraphPass("lower_collectives", lower),
             GraphPass("schedule_collectives", schedule),

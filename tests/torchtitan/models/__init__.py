@@ -1,0 +1,1 @@
+# Package marker (torchtitan/models/__init__.py is not copied).

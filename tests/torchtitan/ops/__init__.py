@@ -1,0 +1,1 @@
+# Package marker (torchtitan/ops/__init__.py is not copied).

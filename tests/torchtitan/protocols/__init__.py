@@ -1,0 +1,1 @@
+# Package marker (torchtitan/protocols/__init__.py is not copied).
