@@ -23,7 +23,7 @@ def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):
     for phase in ("forward", "backward"):
         passes = sorted(p.name for p in (graph_dir / phase).glob("*.after.txt"))
         assert passes == ["00_bucket_collectives.after.txt", "01_lower_collectives.after.txt",
-                          "02_schedule_collectives.after.txt"], passes  # fmt: skip
+                          "02_schedule_collectives.after.txt", "03_resolve_call_inputs.after.txt"], passes  # fmt: skip
     forward = (graph_dir / "forward" / "00_bucket_collectives.after.txt").read_text()
     assert "fxshard.unit_gather(" in forward and "fxshard.unit_gather_wait(" in forward
     assert "# layers.0.attn.wq" in forward or "# layers.0.attn" in forward

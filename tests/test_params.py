@@ -162,6 +162,26 @@ def init_through_shards_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def outer_compile_check(rank: int, world_size: int) -> dict:
+    """``torch.compile(model)`` over a compiled model, as users wrap models out
+    of habit, trains as the model does (AOTAutograd refused the shards as
+    inputs once: "expected DTensor, got ShardParameter")."""
+    torch.manual_seed(0)
+    model = models.TinyLlama(tie=False).to(_device())
+    ref = copy.deepcopy(model)
+    wrapped = torch.compile(fxshard.compile(model, backend="aot_eager"), backend="aot_eager")
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r)).to(_device())
+                  for r in range(world_size)]  # fmt: skip
+        lm_loss(wrapped(tokens[rank]), tokens[rank]).backward()
+        (sum(lm_loss(ref(t), t) for t in tokens) / world_size).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=2e-5, rtol=1e-4, msg=name)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return {}
+
+
 def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``zero_stage=1``: the writes must reach the kept full copies too (see [Note: ZeRO-1])."""
     torch.manual_seed(0)
@@ -425,7 +445,7 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check,
               "state_dict_aliases": state_dict_aliases_check, "init_through_shards": init_through_shards_check,
-              "optimizer_before_compile": optimizer_before_compile_check,
+              "outer_compile": outer_compile_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
@@ -452,6 +472,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "reassign",
         "state_dict_aliases",
         "init_through_shards",
+        "outer_compile",
         "optimizer_before_compile",
         "conversions",
         "writes_zero1",

@@ -292,10 +292,11 @@ class FXShardBackend:
                                      prefetch=self.spec.prefetch,
                                      max_reduces_in_flight=self.spec.reduces_in_flight)  # fmt: skip
         passes = [
-            GraphPass("resolve_call_inputs", resolve_call_inputs_pass),
             GraphPass("bucket_collectives", functools.partial(bucket_collectives_pass, units=self.units)),
             GraphPass("lower_collectives", lower),
             GraphPass("schedule_collectives", schedule),
+            # Last: it only adds resolves right before the body calls, wherever the schedule put them.
+            GraphPass("resolve_call_inputs", resolve_call_inputs_pass),
         ]
         gm, records = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
         if "schedule_collectives" in records:
