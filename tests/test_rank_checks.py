@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -197,6 +198,26 @@ def read_on_one_rank(rank: int, world_size: int) -> None:
 
 def test_debug_check_names_a_read_on_one_rank():
     check_results(run_ranks(2, read_on_one_rank, timeout=300))
+
+
+def step_skipped_on_one_rank(rank: int, world_size: int) -> dict:
+    """Rank 1 stops a step early (and leaves): with the debug check on, rank 0
+    raises naming its collective and the likely cause, instead of gloo's
+    "Connection closed by peer" from inside a gather."""
+    os.environ["FXSHARD_CHECK_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+    model = fxshard.compile(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), backend="aot_eager")
+    model(torch.randn(3, 4)).sum().backward()
+    if rank == 1:
+        dist.destroy_process_group()
+        return {}
+    _raises_on_every_rank(lambda: model(torch.randn(3, 4)).sum().backward(), RankMismatchError,
+                          "rank 0 was about to issue all-gather of unit 0", "a step skipped on some ranks")  # fmt: skip
+    return {}
+
+
+def test_debug_check_names_a_step_skipped_on_one_rank():
+    check_results(run_ranks(2, step_skipped_on_one_rank, timeout=300))
 
 
 # Single process (a fake 4-rank group): how the first call reads, and errors.

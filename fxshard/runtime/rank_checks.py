@@ -150,7 +150,16 @@ def check_collective(group_name: str, describe: Callable[[], str]) -> None:
     digest = int.from_bytes(hashlib.sha256(what.encode()).digest()[:8], "little", signed=True)
     world_size = dist.get_world_size(group)
     hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(hashes, torch.tensor([digest], dtype=torch.int64), group=group)
+    try:
+        dist.all_gather(hashes, torch.tensor([digest], dtype=torch.int64), group=group)
+    except RuntimeError as error:  # gloo: "Connection closed by peer", a timeout
+        raise RankMismatchError(
+            f"fxshard (FXSHARD_CHECK_COLLECTIVES): rank {dist.get_rank(group)} was about to issue {what}, and "
+            "another rank never reached a collective to match it (it exited, destroyed its process group, or "
+            "waits elsewhere). The ranks made different calls: a step skipped on some ranks, or a parameter "
+            "read outside forward (`module.weight` is a collective) on some ranks only. Make the same calls "
+            f"on every rank. The check's own error: {error}"
+        ) from error
     if all(int(h) == digest for h in hashes):
         return
     whats: list = [None] * world_size
