@@ -171,6 +171,13 @@ def debug_calls_in_traces() -> Iterator[None]:
     for key, add in extra:
         if key is not None:
             setattr(config, key, set(getattr(config, key)) | add)
+    # Dynamo skips guards on nn.Module hooks by default: a forward hook added
+    # after the first call would be silently ignored by the compiled graph.
+    # With the guards, adding or removing a hook recompiles (the same
+    # collectives: hooks change compute, not which parameters are read).
+    if hasattr(config, "skip_nnmodule_hook_guards"):
+        saved.append(("skip_nnmodule_hook_guards", config.skip_nnmodule_hook_guards))
+        config.skip_nnmodule_hook_guards = False
     metrics_log = logging.getLogger("torch._dynamo.metrics_context")
     metrics_log.addFilter(_drop_unsortable_config_errors)
     try:
