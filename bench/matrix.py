@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,11 +143,14 @@ def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: fl
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(ROOT / "bench" / "bench.py"), *flags]  # fmt: skip
     print(f"== {row.name}: {system}{' @ ' + str(tree) if tree else ''}", flush=True)
+    start = time.monotonic()
     status = bench.run_child(command, timeout)
+    wall_s = round(time.monotonic() - start, 1)  # the process's whole life, compile included: for planning calls
+    print(f"== {row.name}: {system} took {wall_s} s", flush=True)
     if status == 0 and out.exists():
         child = json.loads(out.read_text())
-        return {"meta": child["meta"], **child["results"][0]}
-    return {"failed": "timed out" if status == 124 else f"exit status {status}"}
+        return {"meta": child["meta"], **child["results"][0], "wall_s": wall_s}
+    return {"failed": "timed out" if status == 124 else f"exit status {status}", "wall_s": wall_s}
 
 
 def run_row(row: Row, baselines: list[tuple[Path, str]], nproc: int, timeout: float, tmp: Path) -> dict:
