@@ -182,6 +182,39 @@ def test_explicit_units_override(fake_pg, blocks):
     assert len(units) == (4 if blocks else 3), units
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["by_size", "listed"])
+def test_checkpointed_layers_gather_by_unit(fake_pg, listed):
+    """Weights read only inside a checkpointed region (dynamo captures it as a
+    higher-order op with a subgraph of its own) join units like any others.
+    They were left out of every unit and gathered one by one, every gather at
+    the top of the forward graph: all layers' full weights alive at once."""
+    model = models.TinyLlama()
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = _Checkpointed(layer)
+    kwargs = dict(units=list(model.layers)) if listed else dict(unit_mb=PER_PARAM)
+    record = _train_once(model, **kwargs, **FLAT)
+    plan = model.fxshard_plan
+    assert len(plan.units.unit_of) == len(plan.params)
+    for graph in (record.forward, record.backward):
+        assert _nodes(graph, torch.ops._c10d_functional.all_gather_into_tensor.default) == []
+        assert _nodes(graph, torch.ops._c10d_functional.reduce_scatter_tensor.default) == []
+    assert len(_nodes(record.forward, AG)) == len(plan.units.units)
+    assert len(_nodes(record.backward, RS)) == len(plan.units.units)
+    # Backward gathers each checkpointed layer's unit again: for its gradients and its recompute.
+    layer_units = {u.index for u in plan.units.units if all(".inner." in n for n in u.names)}
+    gathered_again = {n.args[2] for n in _nodes(record.backward, AG)}
+    assert layer_units and layer_units <= gathered_again
+
+
 def test_keep_full_weights_gathers_once(fake_pg):
     record = _train_once(models.TinyLlama(), reshard_after_forward=False)
     assert record.saved_full_weights, "reshard_after_forward=False must keep full weights"

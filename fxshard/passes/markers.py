@@ -14,6 +14,20 @@ from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD
 _CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 
 
+def nodes_in_call_order(gm: fx.GraphModule) -> list[fx.Node]:
+    """``gm``'s nodes, with a subgraph's nodes (the body of a checkpointed
+    region, which dynamo captures as a higher-order op) where it is taken:
+    the order in which a step reads parameters. AOTAutograd inlines those
+    bodies, so the graphs the later passes see read them in this order too."""
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(sub := getattr(gm, str(node.target), None), fx.GraphModule):
+            nodes.extend(nodes_in_call_order(sub))
+        else:
+            nodes.append(node)
+    return nodes
+
+
 def is_unshard(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (UNSHARD, torch.ops.fxshard.unshard)
 

@@ -8,7 +8,15 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from fxshard.passes.markers import example_value, is_embedding, is_replicate, is_unshard, param_of, phase_of
+from fxshard.passes.markers import (
+    example_value,
+    is_embedding,
+    is_replicate,
+    is_unshard,
+    nodes_in_call_order,
+    param_of,
+    phase_of,
+)
 
 # See [Note: accumulation without sync] in fxshard/runtime/ops.py.
 _PHASES = {0: "", 1: " (accumulated: no collective)", 2: " (with the accumulated sum)"}
@@ -43,13 +51,7 @@ def _line(node: fx.Node) -> str | None:
 def _lines(gm: fx.GraphModule) -> list[str]:
     """Markers inside a subgraph (a checkpointed region) count where the
     subgraph is taken."""
-    lines = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(sub := getattr(gm, str(node.target), None), fx.GraphModule):
-            lines.extend(_lines(sub))
-        elif (line := _line(node)) is not None:
-            lines.append(line)
-    return lines
+    return [line for node in nodes_in_call_order(gm) if (line := _line(node)) is not None]
 
 
 def collective_lines(gm: fx.GraphModule, units: Sequence[Sequence[str]] = ()) -> tuple[str, ...]:
