@@ -12,6 +12,9 @@ license), built as its trainer builds them: on the meta device, then
 - training: the same loss and gradients as the unsharded model, started from
   the same full weights, over AdamW steps.
 
+Llama 3 also trains with torchtitan's activation checkpointing (whole blocks,
+and per op), whose blocks' weights must move in units like the others.
+
 Llama 3's complex RoPE once crashed every outlined layer's backward
 ("invoke_subgraph at dispatch key Conjugate"); it must train with its layers
 outlined. MoE layers compute their experts in bf16 (torchtitan casts for
@@ -36,10 +39,15 @@ configs = pytest.importorskip("tests.torchtitan.configs")
 
 MOE = ("qwen3_moe", "deepseek_v3")
 # (model, backend); Inductor's CPU compiles are slow: Llama 3 in the default run, the rest under full_cpu.
+# "+full_ac" / "+sac": torchtitan's activation checkpointing of each block, applied before compile as its
+# trainer does (whole blocks, or its per-op policy that saves every other matmul).
 CASES = [
     *((name, "aot_eager") for name in ("llama3", "llama3_tied", "qwen3", "qwen3_moe", "deepseek_v3")),
     ("llama3", "inductor"),
+    ("llama3+full_ac", "aot_eager"),
+    ("llama3+sac", "inductor"),
     *(pytest.param((name, "inductor"), marks=pytest.mark.full_cpu) for name in ("llama3_tied", *MOE)),
+    pytest.param(("qwen3_moe+full_ac", "aot_eager"), marks=pytest.mark.full_cpu),
 ]
 REDRAWN = 0.01  # at most this fraction of a weight's values may differ from the unsharded init
 
@@ -58,13 +66,45 @@ def _grad_error(model: torch.nn.Module, ref: torch.nn.Module) -> tuple[float, li
     return worst, one_sided
 
 
+def _checkpoint_blocks(model: torch.nn.Module, how: str) -> None:
+    """torchtitan's activation checkpointing, in torch's API: each block in a
+    ``checkpoint_wrapper``, recomputed whole (``full_ac``) or per op (``sac``:
+    matmuls alternate between saved and recomputed, the rest recomputed)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def every_other_matmul():
+        count = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            if func != torch.ops.aten.mm.default:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            key = "recompute" if ctx.is_recompute else "forward"
+            count[key] += 1
+            return CheckpointPolicy.MUST_SAVE if count[key] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    kwargs = {"context_fn": every_other_matmul} if how == "sac" else {}
+    for key, block in list(model.layers.named_children()):
+        model.layers.register_module(key, checkpoint_wrapper(block, preserve_rng_state=False, **kwargs))
+
+
+def _build(name: str, device: str = "meta") -> torch.nn.Module:
+    base, _, ac = name.partition("+")
+    model = configs.build(base, device=device)
+    if ac:
+        _checkpoint_blocks(model, ac.removesuffix("_ac"))
+    return model
+
+
 def check_model(rank: int, world_size: int, name: str, backend: str) -> None:
-    model = configs.build(name)  # on the meta device
+    model = _build(name)  # on the meta device
     fxshard.compile(model, backend=backend)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     configs.init(model)
-    ref = configs.build(name, device="cpu")
+    ref = _build(name, device="cpu")
     torch.manual_seed(0)
     configs.init(ref)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -84,7 +124,9 @@ def check_model(rank: int, world_size: int, name: str, backend: str) -> None:
     steps = 1 if name in MOE and backend == "inductor" else 3
     tolerance = 1e-3 if name in MOE else 2e-5  # MoE experts compute in bf16 (see the module docstring)
     for step in range(steps):
-        batches = [configs.make_batch(configs.VOCAB[name], seed=10 * step + r) for r in range(world_size)]
+        batches = [
+            configs.make_batch(configs.VOCAB[name.partition("+")[0]], seed=10 * step + r) for r in range(world_size)
+        ]
         tokens, positions, labels = batches[rank]
         loss = F.cross_entropy(model(tokens, positions).float(), labels)
         loss.backward()
@@ -97,8 +139,15 @@ def check_model(rank: int, world_size: int, name: str, backend: str) -> None:
         assert not one_sided, f"{name}@{backend} step {step}: a gradient on one side only: {one_sided}"
         assert worst <= tolerance, f"{name}@{backend} step {step}: gradients off by {worst:.2e} of the largest"
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    if name.startswith("llama3"):  # complex RoPE and all: its layers are outlined, not left inline
-        assert any(g.outline.bodies for g in model.fxshard_plan.graphs), f"{name}: no layer was outlined"
+    plan = model.fxshard_plan
+    if name in ("llama3", "llama3_tied"):  # complex RoPE and all: its layers are outlined, not left inline
+        assert any(g.outline.bodies for g in plan.graphs), f"{name}: no layer was outlined"
+    # Every gathered weight moves in its unit, checkpointed blocks' too (they once gathered one by one).
+    looked_up = {name for g in plan.graphs for name in g.sharded_lookups}  # never gathered
+    sharded = {p.fqn for p in plan.params if p.fqn in plan.units.params} - looked_up
+    assert sharded <= set(plan.units.unit_of), (
+        f"{name}: weights in no unit: {sorted(sharded - set(plan.units.unit_of))}"
+    )
 
 
 def run_models(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
