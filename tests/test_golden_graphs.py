@@ -20,12 +20,16 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from tests import models
@@ -33,13 +37,26 @@ from tests import models
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("FXSHARD_REGEN_GOLDEN") == "1"
 
-# One compile each. The ids name the golden files.
-OPTIONS = {
-    "defaults": {},
-    "keep_full_weights": {"reshard_after_forward": False},
-    "bf16": {"mp_policy": fxshard.MixedPrecision(torch.bfloat16, torch.float32)},
-    "flat": {"compile_blocks_once": False},
-    "small_units_prefetch2": {"unit_mb": 0.003, "prefetch": 2},
+
+@dataclass(frozen=True)
+class Case:
+    """One golden file: a model compiled under the 4-rank fake group, then
+    one forward and backward per entry of ``syncs`` (gradient sync on or off)."""
+
+    options: dict = field(default_factory=dict)
+    model: Callable[[], nn.Module] = models.TinyLlama
+    prepare: Callable[[nn.Module], None] | None = None  # before compile: marks, freezing
+    mesh: tuple[int, int] | None = None  # a (replicate, shard) mesh for HSDP; None: 1-D over the 4 ranks
+    syncs: tuple[bool, ...] = (True,)
+
+
+# One compile each (a phase that recompiles adds graphs). The keys name the golden files.
+CASES = {
+    "tiny_llama_defaults": Case(),
+    "tiny_llama_keep_full_weights": Case({"reshard_after_forward": False}),
+    "tiny_llama_bf16": Case({"mp_policy": fxshard.MixedPrecision(torch.bfloat16, torch.float32)}),
+    "tiny_llama_flat": Case({"compile_blocks_once": False}),
+    "tiny_llama_small_units_prefetch2": Case({"unit_mb": 0.003, "prefetch": 2}),
 }
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
@@ -115,10 +132,24 @@ def _value(val: object) -> str:
     return type(val).__name__
 
 
+def _placeholders(plan: fxshard.ShardPlan) -> dict[object, str]:
+    """Run-dependent values in graphs: the plan table's and the units' ids
+    (hashes of content that names process groups), and the process groups'
+    names, which count the groups the process made before."""
+    names: dict[object, str] = {plan.root.table.id: "<plan>"}
+    if plan.units is not None and plan.units.id is not None:
+        names[plan.units.id] = "<units>"
+    names[dist.group.WORLD.group_name] = "<world_group>"
+    for dim, dim_name in enumerate(plan.mesh.mesh_dim_names or ("shard",)):
+        names[plan.mesh.get_group(dim).group_name] = f"<{dim_name}_group>"
+    for p in plan.params:  # the reduce communicator beside the shard group
+        names.setdefault(p.reduce_group_name, "<reduce_group>")
+    return names
+
+
 def render(model: torch.nn.Module) -> str:
     plan = model.fxshard_plan
-    names: dict[object, str] = {plan.units.id: "<units>", dist.group.WORLD.group_name: "<group>"}
-    names.update({p.reduce_group_name: "<reduce_group>" for p in plan.params})
+    names = _placeholders(plan)
     # Which parameters each unit index names, and what forward keeps for backward.
     lines = ["## units", *(f"{u.index}: {', '.join(u.names)}" for u in plan.units.units), ""]
     fmt = _Formatter(names)
@@ -128,22 +159,31 @@ def render(model: torch.nn.Module) -> str:
             lines += [*fmt.graph(getattr(record, phase), f"graph {record.index} {phase}"), ""]
     text = "\n".join(lines)
     assert not _ADDRESS.search(text), _ADDRESS.search(text)
+    leaked = [v for v in names if isinstance(v, int) and str(v) in text]
+    assert not leaked, f"run-dependent ids in the text: {leaked}"
     return text
 
 
-def compile_and_render(options: dict) -> str:
+def compile_and_render(case: Case) -> str:
     torch.manual_seed(0)
-    model = models.TinyLlama()
-    fxshard.compile(model, backend="aot_eager", **options)
+    model = case.model()
+    if case.prepare is not None:
+        case.prepare(model)
+    mesh = None
+    if case.mesh is not None:
+        mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("replicate", "shard"))
+    fxshard.compile(model, mesh, backend="aot_eager", **case.options)
     tokens = torch.arange(18).reshape(2, 9) * 5 % 37
-    model(tokens).sum().backward()
+    for sync in case.syncs:
+        model.set_requires_gradient_sync(sync)
+        model(tokens).sum().backward()
     return render(model)
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_golden_graphs(fake_pg, name):
-    text = compile_and_render(OPTIONS[name])
-    path = GOLDEN / f"tiny_llama_{name}.txt"
+    text = compile_and_render(CASES[name])
+    path = GOLDEN / f"{name}.txt"
     if REGEN:
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
