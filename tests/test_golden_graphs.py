@@ -1,4 +1,4 @@
-"""Golden graphs: TinyLlama's rewritten forward and backward, as text.
+"""Golden graphs: the rewritten forward and backward graphs of small models, as text.
 
 These pin what the passes produce today, node by node, so that a refactor
 that should not change the graphs can show it does not. A change that is
@@ -6,14 +6,16 @@ meant to change them regenerates the files and shows the diff in review:
 
     FXSHARD_REGEN_GOLDEN=1 python -m pytest tests/test_golden_graphs.py
 
-The text lists the units' members, then one line per node: its name, op target, arguments (nodes by
-name) and value's dtype and shape. It leaves out what does not describe the
-graph: source lines (so editing model code changes nothing), object
-addresses, and names that depend on what the process built before (the
-units' id, process group names), which are replaced by placeholders.
-Node names and decompositions follow torch's tracing, so a torch upgrade
-may need a regeneration.
-"""
+The text lists each parameter's plan and the units' members; then, per
+captured graph, its inputs and fxshard's markers as captured (stage 1), and
+its forward and backward as rewritten (stage 3): one line per node, with its
+name, op target, arguments (nodes by name) and value's dtype and shape. It
+leaves out what does not describe the graph: source lines and the model's
+own ops at stage 1 (so editing model code changes little), object
+addresses, and values that depend on what the process built before (the
+plan table's and units' ids, process group names), which are replaced by
+placeholders. Node names and decompositions follow torch's tracing, so a
+torch upgrade may need a regeneration."""
 
 from __future__ import annotations
 
@@ -105,10 +107,13 @@ class _Formatter:
         parts += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
         return ", ".join(parts)
 
-    def graph(self, gm: fx.GraphModule, title: str) -> list[str]:
+    def graph(self, gm: fx.GraphModule, title: str, keep: Callable[[fx.Node], bool] | None = None) -> list[str]:
+        """``keep``: the nodes to list (default all; a filtered graph lists no return)."""
         lines, bodies = [f"## {title}"], {}
         for node in gm.graph.nodes:
-            val = node.meta.get("val")
+            if keep is not None and not keep(node):
+                continue
+            val = node.meta.get("val", node.meta.get("example_value"))  # the latter in captured graphs
             value = f"  # {_value(val)}" if val is not None else ""
             if node.op in ("placeholder", "get_attr"):
                 lines.append(f"{node.name} = {_target(node)}{value}")
@@ -121,6 +126,13 @@ class _Formatter:
         for name, body in bodies.items():  # outlined blocks: compiled once, read by each call
             lines += ["", *self.graph(body, f"{title} / {name}")]
         return lines
+
+
+def _is_input_or_marker(node: fx.Node) -> bool:
+    """A captured graph's input, or one of fxshard's ops (see [Note: unshard
+    markers]); the rest of a captured graph is the model's code as dynamo
+    traced it, named after its source's variables."""
+    return node.op == "placeholder" or getattr(node.target, "namespace", None) == "fxshard"
 
 
 def _value(val: object) -> str:
@@ -150,11 +162,20 @@ def _placeholders(plan: fxshard.ShardPlan) -> dict[object, str]:
 def render(model: torch.nn.Module) -> str:
     plan = model.fxshard_plan
     names = _placeholders(plan)
-    # Which parameters each unit index names, and what forward keeps for backward.
-    lines = ["## units", *(f"{u.index}: {', '.join(u.names)}" for u in plan.units.units), ""]
+    # Each parameter's plan by the index markers name it by (placement,
+    # reduce, lifetime: what no graph shows for ZeRO-1's copies or HSDP's
+    # replicas), which parameters each unit index names, and what forward
+    # keeps for backward. Then each graph at stage 1, captured with fxshard's
+    # markers (see fxshard/passes/README.md), and at stage 3, rewritten.
+    table = plan.root.table
+    lines = ["## params", *(f"{i}: {p.describe()}; rank 0 holds {rows} rows"
+                            for i, (p, rows) in enumerate(zip(table.params, table.local_rows)))]  # fmt: skip
+    lines += ["", "## units", *(f"{u.index}: {', '.join(u.names)}" for u in plan.units.units), ""]
     fmt = _Formatter(names)
     for record in plan.graphs:
         lines += [f"## graph {record.index} saves full weights: {', '.join(record.saved_full_weights) or 'none'}", ""]
+        lines += [*fmt.graph(record.captured, f"graph {record.index} captured: inputs and markers",
+                             keep=_is_input_or_marker), ""]  # fmt: skip
         for phase in ("forward", "backward"):
             lines += [*fmt.graph(getattr(record, phase), f"graph {record.index} {phase}"), ""]
     text = "\n".join(lines)
