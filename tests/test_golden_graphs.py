@@ -63,6 +63,10 @@ CASES = {
     # after each optimizer step and the reduce after backward run eagerly,
     # outside the graphs; tests/test_parity.py (ws2-zero1) checks their values.
     "tiny_llama_zero1": Case({"zero_stage": 1}),
+    # HSDP: sharded over the inner 2 ranks of a 2 x 2 mesh. The average
+    # across replicas runs after the graph's backward, outside it; the plan
+    # shows it.
+    "tiny_llama_hsdp_2x2": Case(mesh=(2, 2)),
 }
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
