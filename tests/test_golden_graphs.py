@@ -40,6 +40,13 @@ GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("FXSHARD_REGEN_GOLDEN") == "1"
 
 
+def _no_shard_and_freeze(model: nn.Module) -> None:
+    fxshard.no_shard(model.layers[0].mlp)
+    fxshard.no_shard(model.norm.weight)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith("layers.1.attn."))
+
+
 @dataclass(frozen=True)
 class Case:
     """One golden file: a model compiled under the 4-rank fake group, then
@@ -67,6 +74,9 @@ CASES = {
     # across replicas runs after the graph's backward, outside it; the plan
     # shows it.
     "tiny_llama_hsdp_2x2": Case(mesh=(2, 2)),
+    # Replicated parameters: marked (a module and a parameter), and frozen
+    # ones (shard_frozen=False), read without a gather.
+    "tiny_llama_no_shard_frozen": Case(prepare=_no_shard_and_freeze),
 }
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
