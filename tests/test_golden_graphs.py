@@ -20,6 +20,7 @@ torch upgrade may need a regeneration."""
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -77,6 +78,10 @@ CASES = {
     # Replicated parameters: marked (a module and a parameter), and frozen
     # ones (shard_frozen=False), read without a gather.
     "tiny_llama_no_shard_frozen": Case(prepare=_no_shard_and_freeze),
+    # Sharded lookups (sharded_embeddings=True, the default) need a table read
+    # only through F.embedding: TinyLlama's is tied to the output projection,
+    # so the cases above gather it.
+    "tiny_llama_untied_sharded_lookups": Case(model=functools.partial(models.TinyLlama, tie=False)),
 }
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
