@@ -82,6 +82,10 @@ CASES = {
     # only through F.embedding: TinyLlama's is tied to the output projection,
     # so the cases above gather it.
     "tiny_llama_untied_sharded_lookups": Case(model=functools.partial(models.TinyLlama, tie=False)),
+    # Accumulation (see [Note: accumulation without sync]): a call without
+    # sync compiles the ACCUMULATE graph (graph 0), the next call with sync
+    # the FLUSH graph (graph 1). A SYNC call's graph is tiny_llama_defaults's.
+    "tiny_llama_accumulate_then_flush": Case(syncs=(False, True)),
 }
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
