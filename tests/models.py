@@ -14,6 +14,21 @@ def TinyLlama(tie: bool = True) -> Llama:
     return Llama(LlamaConfig(tie_embeddings=tie))
 
 
+class TinyLlamaGraphBreak(Llama):
+    """TinyLlama with a graph break between its layers: fxshard reads through
+    the sequencer (see [Note: sequenced reads]), in two graphs, the tied
+    embedding read in both."""
+
+    def __init__(self) -> None:
+        super().__init__(LlamaConfig())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](self.embed(tokens), self.rope_cos, self.rope_sin)
+        torch._dynamo.graph_break()
+        h = self.layers[1](h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h)).float()
+
+
 @torch.library.custom_op("fxshard_test::gated_proj", mutates_args=())
 def gated_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A stand-in for a fused kernel that takes a weight as an argument."""

@@ -86,6 +86,9 @@ CASES = {
     # sync compiles the ACCUMULATE graph (graph 0), the next call with sync
     # the FLUSH graph (graph 1). A SYNC call's graph is tiny_llama_defaults's.
     "tiny_llama_accumulate_then_flush": Case(syncs=(False, True)),
+    # Sequenced reads: fxshard::seq_gather and seq_grad in the graphs on
+    # either side of the break; the sequencer's collectives run outside them.
+    "tiny_llama_graph_break": Case(model=models.TinyLlamaGraphBreak),
 }
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
