@@ -60,7 +60,7 @@ class Case:
     syncs: tuple[bool, ...] = (True,)
 
 
-# One compile each (a phase that recompiles adds graphs). The keys name the golden files.
+# One compile each; a graph break or a call in another phase adds graphs. The keys name the golden files.
 CASES = {
     "tiny_llama_defaults": Case(),
     "tiny_llama_keep_full_weights": Case({"reshard_after_forward": False}),
