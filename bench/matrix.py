@@ -2,6 +2,7 @@
 
     python bench/matrix.py --baseline c3006dc --out bench/results/matrix.json
     python bench/matrix.py --rows '375m*,moe*' --baseline c3006dc --out matrix.json   # a subset (fnmatch)
+    python bench/matrix.py --rows 'moe*' --repeat 3 --baseline c3006dc               # medians of 3 interleaved runs
     python bench/matrix.py --list                                                   # the rows
     python bench/matrix.py --table bench/results/matrix.json --readme README.md     # the README's table
     python bench/matrix.py --merge a.json b.json --out bench/results/matrix.json     # runs of several calls
@@ -153,14 +154,31 @@ def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: fl
     return {"failed": "timed out" if status == 124 else f"exit status {status}", "wall_s": wall_s}
 
 
-def run_row(row: Row, baselines: list[tuple[Path, str]], nproc: int, timeout: float, tmp: Path) -> dict:
+def run_row(
+    row: Row, baselines: list[tuple[Path, str]], nproc: int, timeout: float, tmp: Path, repeat: int = 1
+) -> dict:
+    """Each system of ``row`` in its own process, ``repeat`` times
+    interleaved (all systems once, then again): a system's result is its run
+    with the median step time, and ``step_ms_runs`` holds every run's."""
     systems = [(s, None, s) for s in row.systems()]
     ours = row.systems()[-1]
     systems += [(ours, path, f"{ours}@{commit[:7]}") for path, commit in baselines]
-    results = {}
-    for i, (system, tree, label) in enumerate(systems):
-        results[label] = run_system(row, system, tree, nproc, timeout, tmp / f"{row.name}-{i}.json".replace(" ", "_"))
-    return {"row": dataclasses.asdict(row), "results": results}
+    runs: dict[str, list[dict]] = {label: [] for _, _, label in systems}
+    for r in range(repeat):
+        for i, (system, tree, label) in enumerate(systems):
+            out = tmp / f"{row.name}-{i}-{r}.json".replace(" ", "_")
+            runs[label].append(run_system(row, system, tree, nproc, timeout, out))
+    return {"row": dataclasses.asdict(row), "results": {label: _median_run(rs) for label, rs in runs.items()}}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    done = sorted((r for r in runs if "failed" not in r), key=lambda r: r["step_ms"])
+    if not done:
+        return runs[0]
+    chosen = dict(done[(len(done) - 1) // 2])  # the lower median: a real run, not an average of two
+    if len(runs) > 1:
+        chosen["step_ms_runs"] = [r.get("step_ms") for r in runs]  # None where a run failed
+    return chosen
 
 
 def gib(r: dict, key: str) -> str:
@@ -172,7 +190,10 @@ def cell(r: dict | None) -> str:
         return "-"
     if "failed" in r:
         return f"failed ({r['failed']})"
-    return f"{r['step_ms']:.1f} ms, {gib(r, 'peak_gib')} / {gib(r, 'peak_reserved_gib')} GiB"
+    spread = ""
+    if len(times := [t for t in r.get("step_ms_runs", ()) if t is not None]) > 1:
+        spread = f" ({min(times):.1f}-{max(times):.1f} over {len(times)} runs)"
+    return f"{r['step_ms']:.1f} ms{spread}, {gib(r, 'peak_gib')} / {gib(r, 'peak_reserved_gib')} GiB"
 
 
 def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
@@ -285,6 +306,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON (the markdown table goes next to it, .md)")
     parser.add_argument("--nproc-per-node", type=int, default=None, help="GPUs (default: all)")
     parser.add_argument("--timeout", type=float, default=420, help="seconds one system's run may take")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each row's systems this many times, interleaved; each keeps its median run "
+                        "(host-bound steps vary by about 20%% between processes)")  # fmt: skip
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test (gloo)")
     parser.add_argument("--profile", type=int, default=0, help="profile every system's last N steps (kernels)")
     parser.add_argument("--memory-step", type=int, default=None, help="list what is alive at step N's peak")
@@ -294,6 +318,8 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON into --out")
     args = parser.parse_args()
     DEVICE, PROFILE, MEMORY_STEP = args.device, args.profile, args.memory_step
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give 1 or more")
     if args.list:
         print("\n".join(f"{r.name}: {' '.join(r.flags())}{' (graph)' if r.graph else ''}" for r in ROWS))
         return
@@ -329,7 +355,7 @@ def main() -> None:
             if row.gpus > nproc:
                 entry = {"row": dataclasses.asdict(row), "results": {}, "skipped": f"needs {row.gpus} GPUs"}
             else:
-                entry = run_row(row, baselines, nproc, args.timeout, Path(tmp))
+                entry = run_row(row, baselines, nproc, args.timeout, Path(tmp), args.repeat)
             data["rows"].append(entry)
             for result in entry["results"].values():
                 if "meta" in result:

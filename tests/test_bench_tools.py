@@ -169,6 +169,23 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
     assert "old" not in text and text.startswith("head\n") and text.endswith("tail\n") and dense in text
 
 
+def test_matrix_repeats_interleave_and_keep_the_median_run(monkeypatch, tmp_path):
+    calls, times = [], iter([130.0, 90.0, 120.0, 70.0, 110.0, None])  # fsdp2, fxshard, fsdp2, ... (None: failed)
+
+    def fake(row, system, tree, nproc, timeout, out):
+        calls.append(system)
+        t = next(times)
+        return {"failed": "exit status 1"} if t is None else _result(t, 1.0)
+
+    monkeypatch.setattr(matrix, "run_system", fake)
+    entry = matrix.run_row(matrix.ROWS[0], [], 2, 60, tmp_path, repeat=3)
+    assert calls == ["fsdp2_compile", "fxshard"] * 3  # interleaved: each system once, then again
+    fsdp2, ours = entry["results"]["fsdp2_compile"], entry["results"]["fxshard"]
+    assert fsdp2["step_ms"] == 120.0 and fsdp2["step_ms_runs"] == [130.0, 120.0, 110.0]
+    assert ours["step_ms"] == 70.0 and ours["step_ms_runs"] == [90.0, 70.0, None]  # the lower of two medians
+    assert matrix.cell(ours).startswith("70.0 ms (70.0-90.0 over 2 runs)")
+
+
 def test_readme_table_is_the_one_generated_from_the_results():
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "bench" / "results" / "matrix.json").read_text())
