@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA-graph GPU gate (tests/test_cuda_graph_gpu.py) on 2 GPUs, its groups
-# run side by side (each a pytest of its own, each two NCCL ranks on both GPUs;
-# Inductor compiles on the CPU dominate, so they overlap well). Logs to $OUT.
+# The CUDA-graph GPU gate (tests/test_cuda_graph_gpu.py), its groups run side
+# by side, GATE_PARALLEL at a time (each a pytest of its own, its ranks on all
+# GPUs; Inductor compiles on the CPU dominate, so they overlap well). Logs to $OUT.
 #   OUT=/tmp/gate bash bench/scripts/gpu_graph_gate.sh
 # FXSHARD_GATE_WORLD=1 runs it on one GPU (capture paths only, no communication).
 set -u
@@ -18,9 +18,15 @@ declare -A groups=(
   [teardown]="destroy or reset_then"
 )
 selected=${GATE_GROUPS:-${!groups[@]}}  # e.g. GATE_GROUPS="memory errors"
+# Groups at once: all six at 2 ranks; at 4 ranks, 24 processes compiling at
+# once on 4 GPUs outran a 400 s limit (4 x H100), so two at a time there.
+parallel=${GATE_PARALLEL:-$([ "${FXSHARD_GATE_WORLD:-2}" -ge 4 ] && echo 2 || echo 6)}
+running=0
 for g in $selected; do
   timeout "${GATE_TIMEOUT:-540}" python -m pytest -q -rA tests/test_cuda_graph_gpu.py -k "${groups[$g]}" \
     > "$OUT/gate-$g.log" 2>&1 &
+  running=$((running + 1))
+  if [ "$running" -ge "$parallel" ]; then wait -n; running=$((running - 1)); fi
 done
 wait
 for g in $selected; do
