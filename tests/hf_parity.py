@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -84,12 +85,16 @@ CHECKPOINTED = (
 
 
 def checkpoint_gathers_once(scenario_name: str) -> Callable[[int, int], None]:
-    """Checkpointed blocks keep parity, and backward gathers each parameter
-    once, for the recompute and the gradients together, never twice; the
-    forward saves no full weight."""
+    """Checkpointed blocks keep parity, their weights move in units (they
+    were once gathered one by one, all at the top of the forward), and
+    backward gathers each parameter once, for the recompute and the
+    gradients together, never twice; the forward saves no full weight."""
 
     def check(rank: int, world_size: int) -> None:
+        # A unit per parameter: one unit would be the whole model, kept from forward to backward
+        # (the last unit gathered is), and backward would gather nothing to check.
         scenario = HF_SCENARIOS[scenario_name]
+        scenario = dataclasses.replace(scenario, compile_kwargs={**scenario.compile_kwargs, "unit_mb": 1e-6})
         model = train_and_compare(rank, world_size, scenario)["model"]
         plan = model.fxshard_plan
         assert not plan.sequenced, "expected one graph: the test checks the graph's collectives"
@@ -98,6 +103,9 @@ def checkpoint_gathers_once(scenario_name: str) -> Callable[[int, int], None]:
         trained = [g for g in plan.graphs if "backward" in g.reports]
         assert trained
         for record in trained:
+            read = {s.param for s in record.reports["forward"].sites if s.kind == "unshard"}
+            if plan.units is not None:
+                assert read <= set(plan.units.unit_of), f"in no unit: {sorted(read - set(plan.units.unit_of))}"
             gathered = collections.Counter(s.param for s in record.reports["backward"].sites if s.kind == "unshard")
             assert gathered and max(gathered.values()) == 1, gathered
             # Only the unit gathered last in forward is kept for backward.
