@@ -271,10 +271,13 @@ class LocalShards:
                              for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
-def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int) -> property:
+def _gathering_property(
+    attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int, replicas: Replicas | None
+) -> property:
     """``plan``: the id of the model's plan table, which the markers of reads
     in a root call name; ``as_stored``: the same plans in the stored dtype,
-    for reads outside one."""
+    for reads outside one; ``replicas``: HSDP's, across which a gradient of
+    such a read is averaged, as the root call's are."""
 
     def get(module: nn.Module) -> torch.Tensor:
         table = module._fxshard_locals
@@ -302,7 +305,11 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
-            full = _gather(param.to_local(), spec, as_stored, index)
+            # HSDP: the marker reduces over the shard group only; _ToLocal's backward averages across
+            # replicas, as for the root call's reads (to_local() would not: the gradient was the replica's own).
+            trained = replicas is not None and param.requires_grad and torch.is_grad_enabled()
+            local = _ToLocal.apply(replicas, param)[0] if trained else param.to_local()
+            full = _gather(local, spec, as_stored, index)
         source = param_writes.Source(param, spec.fqn)
         return param_writes.gathered_parameter(full, full, param.write_full, source, link)
 
@@ -689,7 +696,7 @@ def shard_parameters(
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns, table)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():
-        props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
+        props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id, replicas)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     return state

@@ -311,3 +311,35 @@ def two_ranks():
 def test_two_ranks(two_ranks, check):
     failures = [f"rank {r}:\n{res[check]}" for r, res in enumerate(two_ranks) if res[check] is not None]
     assert not failures, "\n".join(failures)
+
+
+def _hsdp_read_outside_forward(rank: int, world_size: int) -> dict:
+    """HSDP 2 x 2: a loss term on weights read outside forward (a sharded one
+    and a replicated one), which differs on every rank, gets the gradient
+    averaged over the whole mesh, as the forward's: the reduce of such a read
+    averages across replicas too (see [Note: HSDP])."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = models.TinyLlama(tie=False)
+    ref = models.TinyLlama(tie=False)
+    ref.load_state_dict(model.state_dict())
+    fxshard.no_shard(model.norm)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fxshard.compile(model, mesh, backend="aot_eager")
+    batches = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+
+    def loss(m: nn.Module, r: int) -> torch.Tensor:
+        extra = (m.layers[1].mlp.w2.weight * (r + 1)).pow(2).sum() + (m.norm.weight * (r + 1)).pow(2).sum()
+        return lm_loss(m(batches[r]), batches[r]) + extra
+
+    loss(model, rank).backward()
+    (sum(loss(ref, r) for r in range(world_size)) / world_size).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), refs[name].grad, atol=2e-5, rtol=1e-4, msg=name)
+    return {}
+
+
+def test_hsdp_reads_outside_forward_average_over_the_mesh():
+    check_results(run_ranks(4, _hsdp_read_outside_forward, timeout=300))
