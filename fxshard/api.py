@@ -1,7 +1,9 @@
 """``fxshard.compile``: validate the user's input, shard, and compile.
 
-Every check on user input lives here and raises before anything is sharded or
-any collective runs. Below this module nothing sees an option name.
+Every check on user input lives here and in ``fxshard/options.py`` (the
+options and the ``FXSHARD_*`` variables, read once into one frozen value),
+and raises before anything is sharded or any collective runs. Below this
+module nothing sees an option name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from fxshard import checkpoint
 from fxshard.checks import check_same_model
-from fxshard.passes.pipeline import COMPILERS, BackendSpec, FXShardBackend, GraphRecord
+from fxshard.options import options
+from fxshard.passes.pipeline import BackendSpec, FXShardBackend, GraphRecord
 from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat, rank_checks
@@ -30,8 +33,6 @@ from fxshard.runtime.units import Units
 from fxshard.sharding import PLAN, FXShardModule, RootState, shard_parameters
 
 log = logging.getLogger("fxshard")
-
-BACKENDS = (*COMPILERS, "eager")
 
 
 @dataclass(frozen=True)
@@ -69,22 +70,6 @@ class ShardPlan:
         """Why reads are sequenced: what dynamo said of the first graph break.
         None while the model runs as one graph."""
         return self.root.graph_break_reason
-
-
-def _zero_stage(zero_stage: object, reshard_after_forward: object) -> tuple[int, bool]:
-    """The ZeRO stage, from either name for it; and whether gathered parameters are freed after forward."""
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
-    if zero_stage is None:
-        zero_stage = 2 if reshard_after_forward is False else 3
-    elif isinstance(zero_stage, bool) or zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
-    elif reshard_after_forward is not None and reshard_after_forward != (zero_stage == 3):
-        raise ValueError(
-            f"zero_stage={zero_stage} and reshard_after_forward={reshard_after_forward} disagree: "
-            "reshard_after_forward=True is zero_stage=3 and False is zero_stage=2; pass one of them"
-        )
-    return zero_stage, zero_stage == 3
 
 
 def _check_model(model: nn.Module) -> None:
@@ -301,11 +286,7 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     collective fxshard issues from Python is compared across ranks first, on
     a gloo group (see [Note: checked collectives])."""
     group = _shard_mesh(mesh).get_group()
-    if (
-        not rank_checks.check_collectives_enabled()
-        or group.size() == 1
-        or compat.group_backend(group.group_name) == "fake"
-    ):
+    if group.size() == 1 or compat.group_backend(group.group_name) == "fake":
         return
     log.warning(
         "fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging"
@@ -398,6 +379,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       only this many reduce inputs (a unit's gradients in ``reduce_dtype``,
       about 0.9 GiB per layer of an 8B Llama in fp32) are alive at once.
     - ``debug_dir`` (or ``FXSHARD_DEBUG_DIR``): where to dump graphs and summaries.
+      The ``FXSHARD_*`` variables are read here, once: changing them later
+      does not change a compiled model.
     - ``check_same_init``: compare a checksum of every parameter across ranks
       first (one all-gather) and raise if any differs: ranks must start from
       the same weights. False skips it (the parameter lists are compared
@@ -408,63 +391,42 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       memory (then they are sharded, with a warning). True shards them.
     """
     _check_model(model)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if mp_policy is None:
-        mp_policy = MixedPrecision()
-    elif not isinstance(mp_policy, MixedPrecision):
-        raise ValueError(f"mp_policy must be fxshard.MixedPrecision or None, got {type(mp_policy).__name__}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
-    if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:
-        raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
-    if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) or reduces_in_flight < 1:
-        raise ValueError(
-            f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), got {reduces_in_flight!r}"
-        )
-    zero_stage, reshard_after_forward = _zero_stage(zero_stage, reshard_after_forward)
-    if not isinstance(sharded_embeddings, bool):
-        raise ValueError(f"sharded_embeddings must be True or False, got {sharded_embeddings!r}")
-    if not isinstance(compile_blocks_once, bool):
-        raise ValueError(f"compile_blocks_once must be True or False, got {compile_blocks_once!r}")
-    if not isinstance(shard_frozen, bool):
-        raise ValueError(f"shard_frozen must be True or False, got {shard_frozen!r}")
-    if not isinstance(check_same_init, bool):
-        raise ValueError(f"check_same_init must be True or False, got {check_same_init!r}")
-    if backend == "inductor":
-        compat.env_inductor_config()  # a bad FXSHARD_INDUCTOR_CONFIG fails here, not inside dynamo
+    opts = options(reshard_after_forward=reshard_after_forward, zero_stage=zero_stage, mp_policy=mp_policy,
+                   backend=backend, prefetch=prefetch, unit_mb=unit_mb, sharded_embeddings=sharded_embeddings,
+                   compile_blocks_once=compile_blocks_once, reduces_in_flight=reduces_in_flight,
+                   debug_dir=debug_dir, check_same_init=check_same_init, shard_frozen=shard_frozen)  # fmt: skip
     explicit = _explicit_units(model, units)
     mesh = _resolve_mesh(model, mesh)
-    debug_dir = os.fspath(debug_dir) if debug_dir is not None else os.environ.get("FXSHARD_DEBUG_DIR")
     device = _mesh_device(mesh)
     whole = marked(model)
-    memory = check_same_model(model, compat.flat_mesh(mesh), values=check_same_init, whole=whole,
+    memory = check_same_model(model, compat.flat_mesh(mesh), values=opts.check_same_init, whole=whole,
                               memory=device_memory(device))  # fmt: skip
     # Below, everything runs on the shard dimension; HSDP adds one average
     # across replicas (see [Note: HSDP] in fxshard/runtime/collectives.py).
     shards, replicas = _shard_mesh(mesh), _replicas(mesh)
 
     reduce_group_name = _reduce_group(mesh)
-    _check_collectives(mesh, reduce_group_name)
-    lifetime = {1: Lifetime.ALWAYS, 2: Lifetime.STEP, 3: Lifetime.LAST_USE}[zero_stage]
-    plans = build_plan(model, shards, device, mp_policy, reduce_group_name, lifetime, shard_frozen,
+    if opts.check_collectives:
+        _check_collectives(mesh, reduce_group_name)
+    lifetime = {1: Lifetime.ALWAYS, 2: Lifetime.STEP, 3: Lifetime.LAST_USE}[opts.zero_stage]
+    plans = build_plan(model, shards, device, opts.mp_policy, reduce_group_name, lifetime, opts.shard_frozen,
                        memory, whole, 1 if replicas is None else replicas.size)  # fmt: skip
     params = tuple(plans.values())
-    sharded_embeddings = sharded_embeddings and backend != "eager" and shards.size() > 1
+    sharded_embeddings = opts.sharded_embeddings and opts.backend != "eager" and shards.size() > 1
     count_group = _count_group(mesh) if sharded_embeddings else ""
-    state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=backend == "eager",
-                             bucket_bytes=int(unit_mb * 2**20), count_group_name=count_group)  # fmt: skip
-    if mp_policy.cast_forward_inputs:
-        state.input_dtype = mp_policy.param_dtype
-    if debug_dir:
-        _write_plan(debug_dir, state.table)
+    state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=opts.backend == "eager",
+                             bucket_bytes=opts.unit_bytes, count_group_name=count_group)  # fmt: skip
+    if opts.mp_policy.cast_forward_inputs:
+        state.input_dtype = opts.mp_policy.param_dtype
+    if opts.debug_dir:
+        _write_plan(opts.debug_dir, state.table)
     graphs: list[GraphRecord] = []
     unit_plan = None
-    if backend != "eager":
-        spec = BackendSpec(backend, reshard_after_forward, dist.get_rank(), shards.size(),
-                           shards.get_group().group_name, debug_dir, int(unit_mb * 2**20), prefetch,
-                           sharded_embeddings, compile_blocks_once, reduces_in_flight, format_plan(params),
-                           explicit)  # fmt: skip
+    if opts.backend != "eager":
+        spec = BackendSpec(opts.backend, opts.reshard_after_forward, dist.get_rank(), shards.size(),
+                           shards.get_group().group_name, opts.debug_dir, opts.unit_bytes, opts.prefetch,
+                           sharded_embeddings, opts.compile_blocks_once, opts.reduces_in_flight,
+                           format_plan(params), explicit, opts.disabled_passes, opts.inductor_config)  # fmt: skip
         if shards.size() > 1:
             unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name)
         compiled = FXShardBackend(spec, unit_plan, _graph_agreement(mesh))
@@ -474,11 +436,13 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
         state.attach(compiled, unit_plan)
-    plan = ShardPlan(mesh, shards, params, zero_stage, mp_policy, backend, debug_dir, graphs, state, unit_plan)
+    plan = ShardPlan(
+        mesh, shards, params, opts.zero_stage, opts.mp_policy, opts.backend, opts.debug_dir, graphs, state, unit_plan
+    )
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
     # Full state dicts load into the shards; another rank's shards do not.
     checkpoint.install(model, shards.get_local_rank(), shards.size())
     log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shards.size(),
-             1 if replicas is None else replicas.size, backend)  # fmt: skip
+             1 if replicas is None else replicas.size, opts.backend)  # fmt: skip
     return model

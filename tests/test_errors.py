@@ -161,3 +161,21 @@ def test_inductor_config_from_environment_is_parsed_as_the_option_type(monkeypat
 
     monkeypatch.setenv("FXSHARD_INDUCTOR_CONFIG", "pattern_matcher = 0, compile_threads=4")
     assert compat.env_inductor_config() == {"pattern_matcher": False, "compile_threads": 4}
+
+
+@pytest.mark.parametrize("set_before_compile", [True, False], ids=["before", "after"])
+def test_environment_is_read_once_at_compile(fake_pg, monkeypatch, set_before_compile):
+    """FXSHARD_* variables are options: read by fxshard.compile, with the
+    arguments, and fixed for that model (they were read again at each
+    graph's compile, so a variable set later changed a model already made)."""
+    from tests import models
+
+    model = models.TinyLlama()
+    if set_before_compile:
+        monkeypatch.setenv("FXSHARD_DISABLE_PASSES", "outline_blocks")
+    fxshard.compile(model, backend="aot_eager")
+    if not set_before_compile:
+        monkeypatch.setenv("FXSHARD_DISABLE_PASSES", "outline_blocks")
+    model(torch.arange(18).reshape(2, 9) % 37).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    assert bool(record.outline.bodies) is not set_before_compile

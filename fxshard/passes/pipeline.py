@@ -84,6 +84,8 @@ class BackendSpec:
     reduces_in_flight: int = 1  # gradient reduce-scatters running at once (see [Note: prefetch by units])
     params: str = ""  # the parameters' placements, reduces and lifetimes, as formatted for the summary
     explicit_units: tuple[tuple[str, ...], ...] = ()  # the user's units= groups, by parameter name
+    disabled_passes: frozenset[str] = frozenset()  # FXSHARD_DISABLE_PASSES: skipped (bisecting)
+    inductor_config: tuple[tuple[str, Any], ...] = ()  # FXSHARD_INDUCTOR_CONFIG: more Inductor options
 
 
 @dataclass
@@ -216,7 +218,9 @@ class FXShardBackend:
             captured.append(GraphPass("shard_embedding", shard_embedding_pass))
         if self.spec.outline_blocks:
             captured.append(GraphPass("outline_blocks", outline_blocks_pass))
-        record.captured, records = run_passes(gm, example_inputs, captured, phase="captured", dumper=dumper)
+        record.captured, records = run_passes(
+            gm, example_inputs, captured, phase="captured", dumper=dumper, disabled=self.spec.disabled_passes
+        )
         record.sharded_lookups = records.get("shard_embedding", ())
         record.outline = records.get("outline_blocks", record.outline)
         if self.units is not None:
@@ -233,7 +237,7 @@ class FXShardBackend:
         if self.spec.compiler == "inductor":
             joint_pass = _JointTagPass(self, dumper)
             record.estimates_file = _estimates_file(joint_pass.uuid(), record.captured, example_inputs)
-            patches = compat.inductor_config_patches(joint_pass)
+            patches = compat.inductor_config_patches(joint_pass, dict(self.spec.inductor_config))
             compiled = compat.compile_fx(record.captured, example_inputs, inner_compile=compile_graph,
                                          config_patches=patches)  # fmt: skip
             if not record.peaks:  # loaded from torch's cache: the passes did not run
@@ -263,7 +267,9 @@ class FXShardBackend:
             passes.insert(0, GraphPass("reroute_saved_inputs", reroute_saved_inputs_pass))
             if self._policy == CheckpointPolicy.MUST_RECOMPUTE:
                 passes.insert(1, GraphPass("tag_body_inputs", tag_body_inputs_pass, edits_graph=False))
-        return run_passes(joint, joint_inputs, passes, phase="joint", dumper=dumper)[0]
+        return run_passes(
+            joint, joint_inputs, passes, phase="joint", dumper=dumper, disabled=self.spec.disabled_passes
+        )[0]
 
     def _compile_graph(
         self,
@@ -301,7 +307,9 @@ class FXShardBackend:
             # Last: it only adds resolves right before the body calls, wherever the schedule put them.
             GraphPass("resolve_call_inputs", resolve_call_inputs_pass),
         ]
-        gm, records = run_passes(gm, example_inputs, passes, phase=phase, dumper=dumper)
+        gm, records = run_passes(
+            gm, example_inputs, passes, phase=phase, dumper=dumper, disabled=self.spec.disabled_passes
+        )
         if "schedule_collectives" in records:
             record.schedules[phase] = records["schedule_collectives"]
         # A backward frees its saved activations as it goes; see [Note: peak estimate].

@@ -9,7 +9,6 @@ back by pass name. The runner knows nothing about any one pass. ``FXSHARD_DISABL
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,10 +54,6 @@ def _diff(before: Counter[str], after: Counter[str]) -> str:
     return ", ".join(parts) or "no op-count change"
 
 
-def disabled_passes() -> frozenset[str]:
-    return frozenset(p.strip() for p in os.environ.get("FXSHARD_DISABLE_PASSES", "").split(",") if p.strip())
-
-
 def run_passes(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -66,13 +61,14 @@ def run_passes(
     *,
     phase: str,
     dumper: Dumper | None,
+    disabled: frozenset[str] = frozenset(),
 ) -> tuple[fx.GraphModule, dict[str, Any]]:
     """Apply ``passes`` in order to the ``phase`` graph (forward, backward...);
     return the graph and the records of the passes that returned one.
     Passes edit ``gm.graph``; its Python code is regenerated once, at the end
     (and before each dump), not after every pass: for a 16-layer Llama's
     forward and backward, eight ``recompile`` calls took 3 s (CPU, profiled)."""
-    skip = disabled_passes()
+    skip = disabled  # FXSHARD_DISABLE_PASSES, read by fxshard.compile
     records: dict[str, Any] = {}
     for index, graph_pass in enumerate(passes):
         if graph_pass.name in skip:

@@ -321,9 +321,12 @@ def inductor_decompositions() -> dict:
     return select_decomp_table()
 
 
-def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) -> dict[str, Any]:
+def inductor_config_patches(
+    joint_pre_pass: Callable[[torch.fx.Graph], None], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Inductor config for one fxshard compile, applied by compile_fx around
-    that compile only (never set globally)."""
+    that compile only (never set globally); ``extra``: the user's
+    (``env_inductor_config``, read at ``fxshard.compile``)."""
     import torch._inductor.config as inductor_config
 
     if not hasattr(inductor_config, "joint_custom_pre_pass"):
@@ -333,7 +336,7 @@ def inductor_config_patches(joint_pre_pass: Callable[[torch.fx.Graph], None]) ->
     # peak-memory reordering would move them (a wait early, a prefetch late).
     if hasattr(inductor_config, "reorder_for_peak_memory"):
         patches["reorder_for_peak_memory"] = False
-    patches.update(env_inductor_config())
+    patches.update(extra or {})
     return patches
 
 

@@ -40,7 +40,6 @@ issued, at the price of a CPU collective each.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,12 +124,6 @@ class GraphAgreement:
 # outside forward on one rank only) raise instead. Per-parameter
 # collectives lowered into compiled graphs are covered by the graph check only.
 _CHECK_GROUPS: dict[str, Any] = {}  # collective group name -> gloo group that checks it
-
-
-def check_collectives_enabled() -> bool:
-    return os.environ.get("FXSHARD_CHECK_COLLECTIVES", "0").lower() in ("1", "true", "yes") or (
-        os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
-    )
 
 
 def register_checked(group_names: Sequence[str], check_group: Any) -> None:
