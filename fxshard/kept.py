@@ -55,7 +55,7 @@ class KeptParams:
     def __init__(self, specs: dict[int, ParamPlan], local_rows: dict[int, int], replicas: Replicas | None,
                  bucket_bytes: int) -> None:  # fmt: skip
         """``specs`` and ``local_rows`` (this rank's rows): by plan index."""
-        count_optimizer_steps()
+        count_optimizer_steps(self)
         self.specs = specs
         self.bucket_bytes = bucket_bytes  # of gathered values per all-gather or reduce-scatter
         self.local_rows = local_rows

@@ -66,17 +66,45 @@ from fxshard.runtime.collectives import Replicas, shard_range
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
 
 
-_STEP_HOOK: Any = None
+class _OptimizerHook:
+    """One of torch's process-wide optimizer step hooks, held by the objects
+    that need it: registered while one of them lives, removed once the last
+    is gone. torch offers no per-parameter step hook, and the optimizer is
+    built after ``fxshard.compile``, so a model cannot register on it."""
+
+    def __init__(self, register: Callable[[Callable], Any], hook: Callable) -> None:
+        self.register, self.hook = register, hook
+        self.handle: Any = None
+        # By id (holders may be tensors, whose == is elementwise), while each lives.
+        self.holders: dict[int, weakref.ref] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self.holders)
+
+    def hold(self, holder: object) -> None:
+        key = id(holder)
+        held = self.holders.get(key)
+        if held is not None and held() is holder:
+            return
+        self.holders[key] = weakref.ref(holder, lambda ref, key=key: self._release(key, ref))
+        if self.handle is None:
+            self.handle = self.register(self.hook)
+
+    def _release(self, key: int, ref: weakref.ref) -> None:
+        if self.holders.get(key) is ref:
+            del self.holders[key]
+        if not self.holders and self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
-def count_optimizer_steps() -> None:
-    """Count, from now on, the optimizer steps of every shard
-    (``ShardParameter.optimizer_steps``): fused optimizers write shards
-    without bumping any version counter, so a change of the shard is its
-    version or this count. Registered once, by the first that needs it."""
-    global _STEP_HOOK
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_post_hook(_count_steps)
+def count_optimizer_steps(holder: object) -> None:
+    """Count, from now on and while ``holder`` lives, the optimizer steps of
+    every shard (``ShardParameter.optimizer_steps``): fused optimizers write
+    shards without bumping any version counter, so a change of the shard is
+    its version or this count."""
+    _STEP_COUNT.hold(holder)
 
 
 def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -86,12 +114,15 @@ def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 p.optimizer_steps += 1
 
 
+_STEP_COUNT = _OptimizerHook(register_optimizer_step_post_hook, _count_steps)
+
+
 class Source:
     """The shard a gathered value was read from, and its state at the read
     (see [Note: writes to gathered parameters])."""
 
     def __init__(self, param: ShardParameter, fqn: str) -> None:
-        count_optimizer_steps()
+        count_optimizer_steps(param)
         self.param, self.fqn = param, fqn
         self.state = self._now()
 
@@ -461,16 +492,14 @@ def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:
 # checked once the old objects are gone, which they are unless such an
 # optimizer keeps them.
 _RETIRED: dict[int, tuple[weakref.ref, str]] = {}
-_HOOK: Any = None
 
 
-def retire(old: torch.Tensor, fqn: str) -> None:
-    """Record that ``old``, parameter ``fqn`` before compile, was replaced."""
-    global _HOOK
+def retire(old: torch.Tensor, fqn: str, holder: object) -> None:
+    """Record that ``old``, parameter ``fqn`` before compile, was replaced;
+    checked at every optimizer step while ``holder`` (its model's state) lives."""
     key = id(old)
     _RETIRED[key] = (weakref.ref(old, lambda _, key=key: _RETIRED.pop(key, None)), fqn)
-    if _HOOK is None:
-        _HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+    _STEP_CHECK.hold(holder)
 
 
 # Root states whose gradients may wait unreduced (see [Note: accumulation
@@ -482,6 +511,7 @@ _UNSYNCED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 def watch_unsynced(state: Any) -> None:
     """``state.pending()``: gradients wait; ``state.fqns``: its shards' ids -> names."""
     _UNSYNCED[id(state)] = state
+    _STEP_CHECK.hold(state)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -508,6 +538,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     "optimizer after compiling: model = fxshard.compile(model, mesh); "
                     "opt = torch.optim.AdamW(model.parameters())"
                 )
+
+
+_STEP_CHECK = _OptimizerHook(register_optimizer_step_pre_hook, _check_optimizer)
 
 
 def apply_to_shards(

@@ -544,6 +544,47 @@ def test_a_dropped_model_frees_its_shards(fake_pg):
     assert cls.__name__.startswith("FXShard")
 
 
+@pytest.mark.parametrize("zero_stage", [3, 1])
+def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
+    """fxshard's checks on optimizer steps (optimizers built before compile,
+    steps on unreduced gradients, counting steps for ZeRO-1 and held
+    values) use torch's process-wide step hooks, the only ones an optimizer
+    built later runs: they are held by the compiled models that need them,
+    and removed with the last one (they once stayed for the process)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    from fxshard import params as param_writes
+
+    def ours() -> list[str]:
+        hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
+                 *torch_optimizer._global_optimizer_post_hooks.values()]  # fmt: skip
+        return sorted(h.__name__ for h in hooks if getattr(h, "__module__", "").startswith("fxshard"))
+
+    def holders() -> tuple[int, int]:
+        return param_writes._STEP_CHECK.count, param_writes._STEP_COUNT.count
+
+    gc.collect()
+    start = holders()  # other tests' models may still be alive in this process
+    models_ = [models.TinyLlama(), models.TinyLlama()]
+    for i in range(2):
+        _train_once(models_[i], zero_stage=zero_stage)
+    _ = models_[0].layers[0].attn.wq.weight  # a read outside forward counts optimizer steps
+    opt = torch.optim.AdamW(models_[0].parameters())
+    opt.step()
+    assert ours() == ["_check_optimizer", "_count_steps"]
+    del opt, models_[0], _
+    gc.collect()
+    # The second model still checks steps; it counts them only for ZeRO-1's copies (nothing read it outside).
+    assert "_check_optimizer" in ours()
+    if start[1] == 0:
+        assert ("_count_steps" in ours()) == (zero_stage == 1)
+    models_.clear()
+    gc.collect()
+    assert holders() == start
+    if start == (0, 0):
+        assert ours() == []
+
+
 def test_models_compile_past_dynamos_recompile_limit(fake_pg):
     """Each root gets a forward with its own code object: dynamo caches per
     code object and stops at its recompile limit, so a forward that every
