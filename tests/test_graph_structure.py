@@ -544,7 +544,7 @@ def test_a_dropped_model_frees_its_shards(fake_pg):
     assert cls.__name__.startswith("FXShard")
 
 
-@pytest.mark.parametrize("zero_stage", [3, 1])
+@pytest.mark.parametrize("zero_stage", [pytest.param(3, marks=pytest.mark.full_cpu), 1])  # 1: both hooks
 def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
     """fxshard's checks on optimizer steps (optimizers built before compile,
     steps on unreduced gradients, counting steps for ZeRO-1 and held

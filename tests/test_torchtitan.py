@@ -45,7 +45,7 @@ CASES = [
     *((name, "aot_eager") for name in ("llama3", "llama3_tied", "qwen3", "qwen3_moe", "deepseek_v3")),
     ("llama3", "inductor"),
     ("llama3+full_ac", "aot_eager"),
-    ("llama3+sac", "aot_eager"),
+    pytest.param(("llama3+sac", "aot_eager"), marks=pytest.mark.full_cpu),
     *(pytest.param((name, "inductor"), marks=pytest.mark.full_cpu) for name in ("llama3_tied", "llama3+sac", *MOE)),
     pytest.param(("qwen3_moe+full_ac", "aot_eager"), marks=pytest.mark.full_cpu),
 ]
