@@ -494,12 +494,12 @@ def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:
 _RETIRED: dict[int, tuple[weakref.ref, str]] = {}
 
 
-def retire(old: torch.Tensor, fqn: str, holder: object) -> None:
+def retire(old: torch.Tensor, fqn: str) -> None:
     """Record that ``old``, parameter ``fqn`` before compile, was replaced;
-    checked at every optimizer step while ``holder`` (its model's state) lives."""
+    checked at every optimizer step while its model's state lives (it holds
+    the check: ``watch_unsynced``)."""
     key = id(old)
     _RETIRED[key] = (weakref.ref(old, lambda _, key=key: _RETIRED.pop(key, None)), fqn)
-    _STEP_CHECK.hold(holder)
 
 
 # Root states whose gradients may wait unreduced (see [Note: accumulation

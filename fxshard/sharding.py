@@ -381,7 +381,7 @@ class RootState:
                 replacement = param_writes.shard_parameter(_slot_backed(applied), param.requires_grad)
                 replacement.mark_empty()
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
-                param_writes.retire(param, fqn, self)
+                param_writes.retire(param, fqn)
                 self.fqns[id(replacement)] = fqn
             return made[1]
         if new is not old:
@@ -677,7 +677,7 @@ def shard_parameters(
         first_mod, first_attr = mod_attrs[0]
         old = first_mod._parameters[first_attr]
         shard = _shard_of(old, mesh, shard_mesh, spec)
-        param_writes.retire(old, spec.fqn, shard)
+        param_writes.retire(old, spec.fqn)
         fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard

@@ -68,10 +68,9 @@ def run_passes(
     Passes edit ``gm.graph``; its Python code is regenerated once, at the end
     (and before each dump), not after every pass: for a 16-layer Llama's
     forward and backward, eight ``recompile`` calls took 3 s (CPU, profiled)."""
-    skip = disabled  # FXSHARD_DISABLE_PASSES, read by fxshard.compile
     records: dict[str, Any] = {}
     for index, graph_pass in enumerate(passes):
-        if graph_pass.name in skip:
+        if graph_pass.name in disabled:  # FXSHARD_DISABLE_PASSES, read by fxshard.compile
             log.warning("fxshard: pass %s disabled by FXSHARD_DISABLE_PASSES", graph_pass.name)
             continue
         if dumper:
@@ -87,6 +86,6 @@ def run_passes(
         if dumper:
             gm.recompile()
             dumper.graph(f"{phase}/{index:02d}_{graph_pass.name}.after", gm)
-    if any(p.edits_graph and p.name not in skip for p in passes):
+    if any(p.edits_graph and p.name not in disabled for p in passes):
         gm.recompile()
     return gm, records
