@@ -281,10 +281,12 @@ def _graph_agreement(mesh: DeviceMesh, what: str = "graphs") -> rank_checks.Grap
                                       flat.get_local_rank(), flat.size())  # fmt: skip
 
 
-def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
+def _check_collectives(mesh: DeviceMesh, reduce_group_name: str, replicas: Replicas | None) -> None:
     """FXSHARD_CHECK_COLLECTIVES=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL: every
     collective fxshard issues from Python is compared across ranks first, on
-    a gloo group (see [Note: checked collectives])."""
+    a gloo group (see [Note: checked collectives]): those of the shard
+    dimension among its ranks, and the averages across HSDP replicas among
+    theirs."""
     group = _shard_mesh(mesh).get_group()
     if group.size() == 1 or compat.group_backend(group.group_name) == "fake":
         return
@@ -293,6 +295,22 @@ def _check_collectives(mesh: DeviceMesh, reduce_group_name: str) -> None:
     )
     check_group = _side_group(mesh, "check", backend="gloo")
     rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
+    if replicas is not None:
+        rank_checks.register_checked([replicas.group_name], _replica_check_group(mesh))
+
+
+def _replica_check_group(mesh: DeviceMesh) -> Any:
+    """A gloo group over the ranks of this rank's replicate group of a 2-D
+    mesh (a column of it), made once per mesh group as ``_side_group`` does."""
+    made = _SIDE_GROUPS.setdefault(mesh.get_group(0), {})
+    side = made.get("check")
+    if side is None or not compat.group_is_live(side):
+        rank = dist.get_rank()
+        for ranks in mesh.mesh.reshape(mesh.mesh.shape[0], -1).t().tolist():
+            group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                side = made["check"] = group
+    return side
 
 
 def _write_plan(debug_dir: str, table: PlanTable) -> None:
@@ -401,16 +419,16 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     whole = marked(model)
     memory = check_same_model(model, compat.flat_mesh(mesh), values=opts.check_same_init, whole=whole,
                               memory=device_memory(device))  # fmt: skip
-    # Below, everything runs on the shard dimension; HSDP adds one average
-    # across replicas (see [Note: HSDP] in fxshard/runtime/collectives.py).
+    # Below, everything runs on the shard dimension; HSDP adds to each reduce
+    # an average across replicas (see [Note: HSDP] in fxshard/runtime/collectives.py).
     shards, replicas = _shard_mesh(mesh), _replicas(mesh)
 
     reduce_group_name = _reduce_group(mesh)
     if opts.check_collectives:
-        _check_collectives(mesh, reduce_group_name)
+        _check_collectives(mesh, reduce_group_name, replicas)
     lifetime = {1: Lifetime.ALWAYS, 2: Lifetime.STEP, 3: Lifetime.LAST_USE}[opts.zero_stage]
     plans = build_plan(model, shards, device, opts.mp_policy, reduce_group_name, lifetime, opts.shard_frozen,
-                       memory, whole, 1 if replicas is None else replicas.size)  # fmt: skip
+                       memory, whole, *((replicas.size, replicas.group_name) if replicas is not None else ()))  # fmt: skip
     params = tuple(plans.values())
     sharded_embeddings = opts.sharded_embeddings and opts.backend != "eager" and shards.size() > 1
     count_group = _count_group(mesh) if sharded_embeddings else ""
@@ -428,7 +446,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                            sharded_embeddings, opts.compile_blocks_once, opts.reduces_in_flight,
                            format_plan(params), explicit, opts.disabled_passes, opts.inductor_config)  # fmt: skip
         if shards.size() > 1:
-            unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name)
+            unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name, replicas)
         compiled = FXShardBackend(spec, unit_plan, _graph_agreement(mesh))
         if state.shards.kept is not None:
             state.shards.kept.agreement = _graph_agreement(mesh, "zero1")

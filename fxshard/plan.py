@@ -109,13 +109,15 @@ def build_plan(
     memory: int | None,
     whole: set[int],
     replicas: int = 1,
+    replica_group_name: str = "",
 ) -> dict[int, ParamPlan]:
     """Each distinct parameter's plan, by the parameter's id, in registration
     order. ``mesh``: the one it is sharded over. ``sharded_lifetime``: how
     long a sharded parameter's gathered value lives (the ZeRO stage). ``memory``: the smallest
     device memory of all ranks (bytes), so that every rank decides alike
     whether frozen parameters fit. ``whole``: what ``marked`` returns.
-    ``replicas``: the size of an HSDP mesh's replicate dimension."""
+    ``replicas``: the size of an HSDP mesh's replicate dimension, and
+    ``replica_group_name`` its group."""
     params = list(distinct_parameters(model))
     frozen = [p for _, p in params if not p.requires_grad and id(p) not in whole]
     replicate_frozen = not shard_frozen
@@ -146,6 +148,7 @@ def build_plan(
             fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,
             param.shape[0] if param.dim() else 1, mesh.size(), mesh.get_group().group_name, reduce_group_name,
             dtype, mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device, replicas,
+            replica_group_name,
         )  # fmt: skip
     return plans
 

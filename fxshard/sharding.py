@@ -177,9 +177,8 @@ class _ToLocal(torch.autograd.Function):
     backward wraps each local gradient back into a DTensor (as ``to_local``)."""
 
     @staticmethod
-    def forward(ctx, replicas: Replicas | None, *params: DTensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
-        ctx.replicas = replicas  # HSDP: average the reduced gradients over replicas (see [Note: HSDP])
         ctx.metas = param_writes.dtensor_metas(params)
         # A fresh view of each local tensor (an output must not be an input's
         # own tensor). Reading it directly, not through ``to_local`` (an
@@ -190,7 +189,9 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        return (None, *param_writes.as_dtensor_grads(grads, ctx.metas, ctx.replicas))
+        # Averaged over the whole mesh already, HSDP replicas included: the
+        # reduces in the graphs do it (see [Note: HSDP]).
+        return param_writes.as_dtensor_grads(grads, ctx.metas, None)
 
 
 class LocalShards:
@@ -201,10 +202,7 @@ class LocalShards:
     refreshes at the start of every call of the root module and empties after.
     """
 
-    def __init__(
-        self, owners: list[list[tuple[nn.Module, str]]], replicas: Replicas | None, kept: KeptParams | None
-    ) -> None:
-        self._replicas = replicas
+    def __init__(self, owners: list[list[tuple[nn.Module, str]]], kept: KeptParams | None) -> None:
         self.kept = kept  # ZeRO-1's full copies (see [Note: ZeRO-1] in fxshard/kept.py)
         self._owners = owners  # per distinct parameter, every (module, attribute) holding it
         self._modules = list({id(m): m for pairs in owners for m, _ in pairs}.values())
@@ -254,9 +252,7 @@ class LocalShards:
                 locals_[i] = full
         trained = [i for i, p in enumerate(params) if p.requires_grad and locals_[i] is None]
         if trained and torch.is_grad_enabled():
-            # Without sync the graphs give the shards zero gradients: nothing to average.
-            replicas = self._replicas if phase != ACCUMULATE else None
-            for i, local in zip(trained, _ToLocal.apply(replicas, *(params[i] for i in trained))):
+            for i, local in zip(trained, _ToLocal.apply(*(params[i] for i in trained))):
                 locals_[i] = local
         for i, p in enumerate(params):
             if locals_[i] is None:
@@ -271,13 +267,10 @@ class LocalShards:
                              for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
-def _gathering_property(
-    attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int, replicas: Replicas | None
-) -> property:
+def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int) -> property:
     """``plan``: the id of the model's plan table, which the markers of reads
     in a root call name; ``as_stored``: the same plans in the stored dtype,
-    for reads outside one; ``replicas``: HSDP's, across which a gradient of
-    such a read is averaged, as the root call's are."""
+    for reads outside one."""
 
     def get(module: nn.Module) -> torch.Tensor:
         table = module._fxshard_locals
@@ -305,11 +298,8 @@ def _gathering_property(
         if param.uninitialized:  # materialized from meta, never written: no values to gather
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
-            # HSDP: the marker reduces over the shard group only; _ToLocal's backward averages across
-            # replicas, as for the root call's reads (to_local() would not: the gradient was the replica's own).
-            trained = replicas is not None and param.requires_grad and torch.is_grad_enabled()
-            local = _ToLocal.apply(replicas, param)[0] if trained else param.to_local()
-            full = _gather(local, spec, as_stored, index)
+            # HSDP: the marker's reduce averages across replicas too (see [Note: HSDP]).
+            full = _gather(param.to_local(), spec, as_stored, index)
         source = param_writes.Source(param, spec.fqn)
         return param_writes.gathered_parameter(full, full, param.write_full, source, link)
 
@@ -649,8 +639,9 @@ def shard_parameters(
     """Shard every parameter of ``model`` in place as ``plans`` (by the
     parameter's id) says; return the root's state. ``mesh``: the user's, on
     which the DTensors live; ``shard_mesh``: its dimension parameters are
-    sharded over; ``replicas``: across which gradients are averaged after
-    (HSDP; see [Note: HSDP]). ``bucket_bytes``: the size of ZeRO-1's
+    sharded over; ``replicas``: across which the sequencer and ZeRO-1's
+    copies average gradients (HSDP; graphs' reduces average themselves: see
+    [Note: HSDP]). ``bucket_bytes``: the size of ZeRO-1's
     coalesced gathers and reduces (see [Note: ZeRO-1]). ``count_group_name``:
     where sharded lookups compare token counts (see [Note: sharded lookups]). ``sequenced`` starts with
     sequenced reads (eager runs). ``device`` is where shards live: the
@@ -691,12 +682,11 @@ def shard_parameters(
     sequencer = Sequencer(table.id, entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
     kept = {i: spec for i, spec in enumerate(table.params) if spec.kept}
     kept_rows = {i: table.local_rows[i] for i in kept}
-    shards = LocalShards(list(owners.values()), replicas,
-                         KeptParams(kept, kept_rows, replicas, bucket_bytes) if kept else None)  # fmt: skip
+    shards = LocalShards(list(owners.values()), KeptParams(kept, kept_rows, replicas, bucket_bytes) if kept else None)
     state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns, table)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():
-        props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id, replicas)
+        props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     return state

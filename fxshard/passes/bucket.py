@@ -20,7 +20,10 @@ In a forward, backward or inference graph:
 - The ``fxshard::reduce_grad`` markers of one unit become one
   ``fxshard::unit_reduce`` and its wait, placed where the last of the unit's
   gradients is complete. Each marker's uses read a slice of the wait's output,
-  viewed as the local shard's gradient.
+  viewed as the local shard's gradient. On an HSDP mesh the wait is
+  ``fxshard::unit_reduce_replicas``, which starts the average across
+  replicas, and ``fxshard::unit_replicas_wait`` returns the gradients (see
+  [Note: HSDP] in ``runtime/collectives.py``).
 
 Markers of parameters in no unit (world size 1, or parameters the first graph
 never read) are left for ``lower_collectives``.
@@ -38,7 +41,17 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxshard.passes.lower import COPIED_META, LOWERED, fake_value
 from fxshard.passes.markers import is_reduce, is_unshard, param_of
 from fxshard.runtime import compat
-from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Member, Unit, Units
+from fxshard.runtime.units import (
+    UNIT_GATHER,
+    UNIT_GATHER_WAIT,
+    UNIT_REDUCE,
+    UNIT_REDUCE_REPLICAS,
+    UNIT_REDUCE_WAIT,
+    UNIT_REPLICAS_WAIT,
+    Member,
+    Unit,
+    Units,
+)
 
 NBYTES = "fxshard_bytes"  # node.meta key: bytes a unit collective moves (its output, all ranks)
 _aten = torch.ops.aten
@@ -159,7 +172,11 @@ def bucket_collectives_pass(
             grads = [by_member[j][0].args[0] for j in members]
             inp = _rank_major(new, [unit.members[j] for j in members], grads, ws, numel, dtype)
             token = new(UNIT_REDUCE, inp, units.id, u, members)
-            flat = new(UNIT_REDUCE_WAIT, token, inp, units.id, u, members)
+            if units.replicas is None:
+                flat = new(UNIT_REDUCE_WAIT, token, inp, units.id, u, members)
+            else:  # HSDP: then the average across replicas (see [Note: HSDP])
+                averaging = new(UNIT_REDUCE_REPLICAS, token, inp, units.id, u, members)
+                flat = new(UNIT_REPLICAS_WAIT, averaging, units.id, u, members)
             token.meta[NBYTES] = flat.meta[NBYTES] = ws * numel * dtype.itemsize
             start, views = 0, {}
             for j in members:

@@ -53,16 +53,26 @@ from torch import fx
 from fxshard.passes.lower import PARAM
 from fxshard.passes.markers import nbytes
 from fxshard.passes.memory import Liveness, liveness
-from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT
+from fxshard.runtime.units import (
+    UNIT_GATHER,
+    UNIT_GATHER_WAIT,
+    UNIT_REDUCE,
+    UNIT_REDUCE_REPLICAS,
+    UNIT_REDUCE_WAIT,
+    UNIT_REPLICAS_WAIT,
+)
 
 ALIGN = 512  # bytes; the caching allocator's rounding
 _funcol = torch.ops._c10d_functional
+# A collective and the ops that wait for it. On an HSDP mesh a unit's
+# reduce-scatter is waited for by the op that starts the average across
+# replicas in place on its output, and that average's wait returns it.
 _WAITS = {
-    UNIT_GATHER: UNIT_GATHER_WAIT,
-    UNIT_REDUCE: UNIT_REDUCE_WAIT,
-    _funcol.all_gather_into_tensor.default: _funcol.wait_tensor.default,
-    _funcol.reduce_scatter_tensor.default: _funcol.wait_tensor.default,
-    _funcol.all_reduce.default: _funcol.wait_tensor.default,  # a replicated parameter's gradient
+    UNIT_GATHER: (UNIT_GATHER_WAIT,),
+    UNIT_REDUCE: (UNIT_REDUCE_WAIT, UNIT_REDUCE_REPLICAS),
+    _funcol.all_gather_into_tensor.default: (_funcol.wait_tensor.default,),
+    _funcol.reduce_scatter_tensor.default: (_funcol.wait_tensor.default,),
+    _funcol.all_reduce.default: (_funcol.wait_tensor.default,),  # a replicated parameter's gradient, or HSDP's
 }
 
 
@@ -127,13 +137,16 @@ def _collective_buffers(graph: fx.Graph, live: Liveness) -> list[_Found]:
     for n in graph.nodes:
         if n.op != "call_function" or n.target not in _WAITS:
             continue
-        waits = [u for u in n.users if u.target == _WAITS[n.target]]
+        waits = [u for u in n.users if u.target in _WAITS[n.target]]
         assert len(waits) == 1, f"fxshard: collective {n.name} has {len(waits)} waits; expected one"
         wait, is_unit = waits[0], n.target in (UNIT_GATHER, UNIT_REDUCE)
         owner = f"unit {n.args[2]}" if is_unit else str(n.meta.get(PARAM, n.name))
         gather = n.target in (UNIT_GATHER, _funcol.all_gather_into_tensor.default)
-        # A unit op's start returns a token: the output is its wait's value.
+        # A unit op's start returns a token: the output is its wait's value
+        # (on an HSDP mesh, the value of the replica average's wait).
         out = wait if is_unit else n
+        if wait.target is UNIT_REDUCE_REPLICAS:
+            (out,) = (u for u in wait.users if u.target is UNIT_REPLICAS_WAIT)
         size = nbytes(out)
         if n.target is UNIT_REDUCE:  # the collective writes the reduce dtype; the wait may cast
             size = max(size, out.meta["val"].numel() * n.args[0].meta["val"].element_size())

@@ -17,6 +17,10 @@ from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_t
 COPIED_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "seq_nr")
 LOWERED = "fxshard_lowered"  # node.meta key on every node lowering inserts
 PARAM = "fxshard_param"  # node.meta key: the parameter whose marker a lowered node replaces
+# node.meta key: an all-reduce that averages a reduced gradient over an HSDP
+# mesh's replicas (see [Note: HSDP]); scheduling waits for it late.
+REPLICAS = "fxshard_replicas"
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
             fn = functools.partial(
                 reduce_to_shard, local_rows=plans.local_rows(*plan_index(node)), world_size=p.world_size,
                 group_name=p.reduce_group_name, reduce_dtype=p.reduce_dtype, out_dtype=p.shard_dtype,
+                replicas=p.replicas, replica_group_name=p.replica_group_name,
             )  # fmt: skip
             plan.append(Lowering(node, fn))
         elif is_replicate(node):  # a cast at most: world size 1 gathers nothing
@@ -50,7 +55,8 @@ def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
             p = param_of(node)
             fn = functools.partial(
                 reduce_replicated, world_size=p.world_size, group_name=p.reduce_group_name,
-                reduce_dtype=p.reduce_dtype, out_dtype=p.shard_dtype,
+                reduce_dtype=p.reduce_dtype, out_dtype=p.shard_dtype, replicas=p.replicas,
+                replica_group_name=p.replica_group_name,
             )  # fmt: skip
             plan.append(Lowering(node, fn))
     return tuple(plan)
@@ -83,6 +89,8 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
                 new.meta = {k: node.meta[k] for k in COPIED_META if k in node.meta}
                 new.meta[LOWERED] = True  # what schedule_collectives may move
                 new.meta[PARAM] = param_of(node).fqn  # names the buffer in the static buffer plan
+                if new.target is _ALL_REDUCE and _on_replicas(new, param_of(node)):
+                    new.meta[REPLICAS] = True
                 new.meta["val"] = fake_value(new.target, new.args, new.kwargs, fake_mode)
                 env[sub] = new
         if result is source and node.meta.get("val") is not None:
@@ -99,12 +107,19 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
     graph.erase_node(node)
 
 
+def _on_replicas(node: fx.Node, p: plans.ParamPlan) -> bool:
+    """Whether the all-reduce ``node`` runs across ``p``'s replicas."""
+    return p.replicas > 1 and node.args[2] == p.replica_group_name
+
+
 def lower_collectives_pass(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, decompositions: dict | None = None
 ) -> fx.GraphModule:
     """Replace each ``fxshard::unshard`` with its all-gather, each
     ``fxshard::reduce_grad`` with its reduce-scatter, each ``fxshard::replicate``
     with its cast and each ``fxshard::all_reduce_grad`` with its all-reduce, in place.
+    On an HSDP mesh a reduce adds its all-reduce across replicas, tagged
+    ``REPLICAS`` (see [Note: HSDP]).
 
     The replacement is ``gather_full`` / ``reduce_to_shard`` traced to ATen
     and ``_c10d_functional`` ops (see [Note: one definition of gather and

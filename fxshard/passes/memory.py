@@ -10,8 +10,10 @@ What a graph counts:
   its last read. A view (an op whose output aliases its first argument, and
   ``wait_tensor``) holds its base instead; a tuple's elements are freed one
   by one after the last ``getitem`` of each. A collective's output is
-  allocated by its start, not its wait (``fxshard::unit_gather_wait`` and
-  ``unit_reduce_wait``; a funcol collective allocates at itself).
+  allocated by its start, not its wait (``fxshard::unit_gather_wait``,
+  ``unit_reduce_wait`` and, on an HSDP mesh, ``unit_replicas_wait``, whose
+  output the reduce-scatter's start allocated; a funcol collective allocates
+  at itself).
 - Fusion, approximated. A pointwise node (``torch.Tag.pointwise``) whose
   users, through views, are all pointwise or reductions, and that is not a
   graph output, is not materialized: Inductor computes it inside its users'
@@ -53,10 +55,17 @@ import torch
 from torch import fx
 
 from fxshard.passes.markers import nbytes, value_nbytes
-from fxshard.runtime.units import UNIT_GATHER_WAIT, UNIT_REDUCE_WAIT
+from fxshard.runtime.units import UNIT_GATHER_WAIT, UNIT_REDUCE_WAIT, UNIT_REPLICAS_WAIT
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
-_ALLOCATED_BY_START = (UNIT_GATHER_WAIT, UNIT_REDUCE_WAIT)  # args[0] is the start
+_ALLOCATED_BY_START = (UNIT_GATHER_WAIT, UNIT_REDUCE_WAIT, UNIT_REPLICAS_WAIT)  # args[0] is the start, or leads to it
+
+
+def _start(node: fx.Node) -> fx.Node:
+    """The start of the collective whose output the wait ``node`` returns: an
+    HSDP average across replicas runs in place on its reduce-scatter's output."""
+    start = node.args[0]
+    return start.args[0] if node.target is UNIT_REPLICAS_WAIT else start
 
 
 @dataclass(frozen=True)
@@ -152,7 +161,7 @@ def _blocks(graph: fx.Graph, live: Liveness, free_inputs: bool) -> list[tuple[in
                     (p, max((live.read[u] for u in items), default=p), value_nbytes(v), f"{n.name}[{i}]", False)
                 )
         else:
-            start = live.pos[n.args[0]] if n.target in _ALLOCATED_BY_START else p
+            start = live.pos[_start(n)] if n.target in _ALLOCATED_BY_START else p
             blocks.append((start, live.read[n], nbytes(n), n.name, False))
         if n.target is torch.ops.higher_order.invoke_subgraph:
             body = getattr(graph.owning_module, n.args[0].target, None) if graph.owning_module is not None else None

@@ -30,6 +30,11 @@ gather. This pass moves collectives, never compute:
   itself, one more was alive: on the 8B benchmark that is 0.9 GiB of fp32
   per unit. A replicated parameter's gradient all-reduce is deferred the
   same way, and counts as a reduce.
+- HSDP averages across replicas (see [Note: HSDP]). A unit's average starts
+  in the op that waits for its reduce-scatter, and a per-parameter one
+  right after that wait: either moves with the wait, as above, and does not
+  count as a reduce. Its own wait (with the cast after it) moves to the end
+  of the graph: it holds no buffer but the gradient the graph returns.
 
 Collectives keep their relative order within each kind, and the pass is a
 function of the graph, so every rank issues the same collectives in the same
@@ -46,25 +51,35 @@ import torch
 import torch.fx as fx
 
 from fxshard.passes.bucket import NBYTES
-from fxshard.passes.lower import LOWERED
+from fxshard.passes.lower import LOWERED, REPLICAS
 from fxshard.passes.markers import nbytes
 from fxshard.passes.runner import Recorded
-from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT
+from fxshard.runtime.units import (
+    UNIT_GATHER,
+    UNIT_GATHER_WAIT,
+    UNIT_REDUCE,
+    UNIT_REDUCE_REPLICAS,
+    UNIT_REDUCE_WAIT,
+    UNIT_REPLICAS_WAIT,
+)
 
 _funcol = torch.ops._c10d_functional
 _ALL_GATHER = _funcol.all_gather_into_tensor.default
 _REDUCE_SCATTER = _funcol.reduce_scatter_tensor.default
 _ALL_REDUCE = _funcol.all_reduce.default  # a replicated parameter's gradient
 _WAIT = _funcol.wait_tensor.default
-# A collective (per parameter, or per unit) and the op that waits for it.
+# A collective (per parameter, or per unit) and the ops that wait for it.
+# On an HSDP mesh a unit's reduce-scatter is waited for by the op that starts
+# its average across replicas (see [Note: HSDP]).
 _WAITS = {
-    _ALL_GATHER: _WAIT,
-    _REDUCE_SCATTER: _WAIT,
-    _ALL_REDUCE: _WAIT,
-    UNIT_GATHER: UNIT_GATHER_WAIT,
-    UNIT_REDUCE: UNIT_REDUCE_WAIT,
+    _ALL_GATHER: (_WAIT,),
+    _REDUCE_SCATTER: (_WAIT,),
+    _ALL_REDUCE: (_WAIT,),
+    UNIT_GATHER: (UNIT_GATHER_WAIT,),
+    UNIT_REDUCE: (UNIT_REDUCE_WAIT, UNIT_REDUCE_REPLICAS),
+    UNIT_REDUCE_REPLICAS: (UNIT_REPLICAS_WAIT,),
 }
-_COMM = frozenset(_WAITS) | frozenset(_WAITS.values())
+_COMM = frozenset(_WAITS) | frozenset(w for waits in _WAITS.values() for w in waits)
 
 
 @dataclass(frozen=True)
@@ -74,10 +89,15 @@ class Schedule:
     units: tuple[tuple[str, ...], ...]  # all-gather node names per unit, in order
     prefetch: int
     deferred_reduces: int
+    replica_waits_at_end: int = 0  # HSDP: averages across replicas waited for at the graph's end
 
     def format(self) -> str:
+        replicas = (
+            f"; {self.replica_waits_at_end} replica averages waited at the end" if self.replica_waits_at_end else ""
+        )
         lines = [
             f"prefetch depth {self.prefetch}; {len(self.units)} units; {self.deferred_reduces} reduce waits deferred"
+            + replicas
         ]
         lines += [f"  unit {i}: {len(u)} all-gathers ({', '.join(u[:4])}{', ...' if len(u) > 4 else ''})"
                   for i, u in enumerate(self.units)]  # fmt: skip
@@ -85,8 +105,13 @@ class Schedule:
 
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if u.target == _WAITS.get(node.target)]
+    waits = [u for u in node.users if u.target in _WAITS.get(node.target, ())]
     return waits[0] if len(waits) == 1 else None
+
+
+def _averages_replicas(node: fx.Node) -> bool:
+    """An HSDP average across replicas: a unit's, or a lowered all-reduce tagged so (see [Note: HSDP])."""
+    return node.target is UNIT_REDUCE_REPLICAS or (node.target is _ALL_REDUCE and bool(node.meta.get(REPLICAS)))
 
 
 def _is_lowered(node: fx.Node, *targets: object) -> bool:
@@ -151,7 +176,8 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
                         anchor.prepend(n)
 
     deferred = 0
-    reduces = [n for n in graph.nodes if _is_lowered(n, _REDUCE_SCATTER, _ALL_REDUCE, UNIT_REDUCE)]
+    reduces = [n for n in graph.nodes
+               if _is_lowered(n, _REDUCE_SCATTER, _ALL_REDUCE, UNIT_REDUCE) and not _averages_replicas(n)]  # fmt: skip
     output = next(n for n in graph.nodes if n.op == "output")
     order = {n: i for i, n in enumerate(graph.nodes)}  # only waits move below, never what builds an input
     built = [_built_from(rs, order) for rs in reduces]
@@ -169,8 +195,20 @@ def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_re
         for n in chain:
             anchor.prepend(n)
         deferred += 1
+
+    # HSDP: each average across replicas was started where its reduce's wait
+    # now is (it moved with that wait, above); it holds no buffer but the
+    # gradient it returns, so it is waited for at the end of the graph.
+    at_end = 0
+    for n in [n for n in graph.nodes if _averages_replicas(n) and _is_lowered(n, _ALL_REDUCE, UNIT_REDUCE_REPLICAS)]:
+        chain = _output_chain(_wait_of(n), output, output)
+        if chain is None:
+            continue
+        for c in chain:
+            output.prepend(c)
+        at_end += 1
     graph.lint()
-    return Schedule(tuple(tuple(g.name for g in unit) for unit in units), prefetch, deferred)
+    return Schedule(tuple(tuple(g.name for g in unit) for unit in units), prefetch, deferred, at_end)
 
 
 def _built_from(reduce: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
@@ -220,11 +258,16 @@ def _stages(graph: fx.Graph, units: list[list[fx.Node]]) -> list[int]:
 
 def _output_chain(wait: fx.Node, output: fx.Node, anchor: fx.Node) -> list[fx.Node] | None:
     """``wait`` and everything computed from it, in graph order, if all of it
-    only feeds the graph's output and can move to just before ``anchor``."""
-    found, frontier = {wait}, [wait]
+    only feeds the graph's output and can move to just before ``anchor``.
+    An HSDP average across replicas started from it moves with it, and its
+    own wait stays where it is (see [Note: HSDP])."""
+    found, frontier = {wait}, [] if _averages_replicas(wait) else [wait]
     while frontier:
         for user in frontier.pop().users:
             if user is output or user in found:
+                continue
+            if _averages_replicas(user):
+                found.add(user)
                 continue
             if user.op != "call_function" or user.target in _COMM:
                 return None

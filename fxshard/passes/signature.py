@@ -17,6 +17,7 @@ from fxshard.passes.markers import (
     param_of,
     phase_of,
 )
+from fxshard.runtime.plans import ParamPlan
 
 # See [Note: accumulation without sync] in fxshard/runtime/ops.py.
 _PHASES = {0: "", 1: " (accumulated: no collective)", 2: " (with the accumulated sum)"}
@@ -32,20 +33,27 @@ def _line(node: fx.Node) -> str | None:
         val = example_value(node)
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
-        gradient = f", gradient reduce-scattered in {_dtype(p.reduce_dtype)}" if reduced else ", no gradient"
+        gradient = (
+            f", gradient reduce-scattered in {_dtype(p.reduce_dtype)}{_replicas(p)}" if reduced else ", no gradient"
+        )
         gradient += _PHASES[phase_of(node)] if reduced else ""
         return f"all-gather of {p.fqn!r} {shape} in {_dtype(p.dtype)}{gradient}"
     if is_replicate(node):
         p = param_of(node)
         val = example_value(node)
         reduced = isinstance(val, torch.Tensor) and val.requires_grad
-        gradient = f", gradient all-reduced in {_dtype(p.reduce_dtype)}" if reduced else ", no gradient"
+        gradient = f", gradient all-reduced in {_dtype(p.reduce_dtype)}{_replicas(p)}" if reduced else ", no gradient"
         gradient += _PHASES[phase_of(node)] if reduced else ""
         return f"replicated {p.fqn!r} in {_dtype(p.dtype)}{gradient}"
     if is_embedding(node):
         p = param_of(node)
-        return f"sharded lookup in {p.fqn!r} (dim0 {p.dim0}) in {_dtype(p.dtype)}"
+        return f"sharded lookup in {p.fqn!r} (dim0 {p.dim0}) in {_dtype(p.dtype)}{_replicas(p)}"
     return None
+
+
+def _replicas(p: ParamPlan) -> str:
+    """HSDP: each reduce then averages across the replicas (see [Note: HSDP])."""
+    return f", then averaged over {p.replicas} replicas" if p.replicas > 1 else ""
 
 
 def _lines(gm: fx.GraphModule) -> list[str]:

@@ -2,7 +2,8 @@
 
 [Note: one definition of gather and reduce]
 ``gather_full``, ``reduce_to_shard`` and ``reduce_replicated`` are the only
-definition of what an unshard and a reduce compute. The eager implementations of the ``fxshard::``
+definition of what an unshard and a reduce compute (a unit's reduce moves
+the same values in one collective; see fxshard/runtime/units.py). The eager implementations of the ``fxshard::``
 ops call them, and the lowering pass traces them (``make_fx``) and inlines the
 result into compiled graphs, so eager and compiled runs cannot drift apart.
 
@@ -69,8 +70,11 @@ def reduce_to_shard(
     group_name: str,
     reduce_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    replicas: int = 1,
+    replica_group_name: str = "",
 ) -> torch.Tensor:
-    """Reduce: reduce-scatter the full gradient and average it over the group.
+    """Reduce: reduce-scatter the full gradient and average it over the group,
+    then, on an HSDP mesh, over the ``replicas`` (see [Note: HSDP]).
 
     The sum runs in ``reduce_dtype`` (the gradient's own dtype when None); the
     result lands in ``out_dtype``, the shard's dtype.
@@ -84,6 +88,7 @@ def reduce_to_shard(
         grad = grad / world_size
         if grad.shape[0] != local_rows:
             grad = grad[:local_rows]
+    grad = average_replicas(grad, replicas, replica_group_name)
     return grad.to(out_dtype) if grad.dtype != out_dtype else grad
 
 
@@ -132,15 +137,28 @@ def reduce_replicated(
     group_name: str,
     reduce_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
+    replicas: int = 1,
+    replica_group_name: str = "",
 ) -> torch.Tensor:
     """Reduce the gradient of a replicated parameter: all-reduce it and
-    average it over the group, in ``reduce_dtype``; the result in ``out_dtype``."""
+    average it over the group, then over the ``replicas`` of an HSDP mesh, in
+    ``reduce_dtype``; the result in ``out_dtype``."""
     if reduce_dtype is not None and grad.dtype != reduce_dtype:
         grad = grad.to(reduce_dtype)
     if world_size > 1:
         grad = _funcol.wait_tensor(_funcol.all_reduce(grad.contiguous(), "sum", group_name))
         grad = grad / world_size
+    grad = average_replicas(grad, replicas, replica_group_name)
     return grad.to(out_dtype) if grad.dtype != out_dtype else grad
+
+
+def average_replicas(grad: torch.Tensor, replicas: int, group_name: str) -> torch.Tensor:
+    """``grad``, a gradient reduced inside one replica, averaged over the
+    ``replicas`` of an HSDP mesh (one all-reduce on ``group_name``, in its
+    dtype); itself for one replica (see [Note: HSDP])."""
+    if replicas == 1:
+        return grad
+    return _funcol.wait_tensor(_funcol.all_reduce(grad.contiguous(), "sum", group_name)) / replicas
 
 
 def any_rank(flags: torch.Tensor, world_size: int, group_name: str) -> list[bool]:
@@ -155,13 +173,45 @@ def any_rank(flags: torch.Tensor, world_size: int, group_name: str) -> list[bool
 # On a 2-D (replicate, shard) mesh each replica group runs 1-D sharded
 # training unchanged: gathers and reduce-scatters stay inside the shard
 # dimension (inside a node, where the mesh is laid out so). A gradient
-# reduced there is the average over its replica group; one all-reduce of
-# every reduced gradient across the replicate dimension, averaged, makes it
-# the average over the whole mesh. It runs where every reduced gradient
-# passes once: the backward of the node that hands the local shards to the
-# graphs (``sharding._ToLocal``), and the sequencer's reduce. The all-reduce
-# runs in the shard's dtype, once per backward, after the graph's backward
-# (no overlap with it).
+# reduced there is the average over its replica group; an all-reduce of it
+# across the replicate dimension, divided by the number of replicas, makes
+# it the average over the whole mesh. That all-reduce is part of every
+# reduce, wherever the reduce runs, so a gradient is final when its reduce
+# returns and nothing averages after the backward:
+# - A unit's reduce in a graph (``bucket_collectives``) is three ops.
+#   ``fxshard::unit_reduce`` starts the reduce-scatter;
+#   ``fxshard::unit_reduce_replicas``, where a 1-D graph waits for it
+#   (``schedule_collectives`` puts that wait ``reduces_in_flight`` reduces
+#   later), waits for it and starts the all-reduce of its output, in place,
+#   in the reduce dtype; ``fxshard::unit_replicas_wait``, at the end of the
+#   graph, returns the gradients in the shard dtype. So each unit's average
+#   runs beside the backward of the units after it, as FSDP2's does, and the
+#   compute stream waits where it waited on a 1-D mesh, plus once at the end.
+#   The all-reduce needs no buffer but the gradient the graph returns anyway,
+#   so a late wait costs no memory; the reduce-scatter's input is freed where
+#   it was (at most ``reduces_in_flight`` alive). It cannot start before the
+#   reduce-scatter's wait, since it reads its output.
+# - Any other reduce in a graph (a parameter in no unit, a replicated one,
+#   a shard dimension of 1, which has no units) is ``reduce_to_shard`` or
+#   ``reduce_replicated`` with ``average_replicas`` traced in: the lowering
+#   tags that all-reduce ``REPLICAS`` and the schedule treats it alike
+#   (started where the shard-group reduce is waited for, waited at the end).
+# - A sharded embedding lookup's backward (``fxshard::embedding_backward``)
+#   averages inside the op: it is typically the backward's last gradient,
+#   with nothing left to overlap.
+# - Reads outside a root call (eager markers) and the sequencer's reduces
+#   at the end of a backward call the same functions: sequenced reads
+#   overlap no reduce with the backward anyway (see [Note: sequenced reads]).
+# - ZeRO-1's coalesced reduces, after the backward, are then averaged
+#   through ``Replicas.average`` (``kept.py``), all at once.
+# So ``sharding._ToLocal`` hands the graphs' gradients through as they are.
+# Without sync nothing is reduced, so nothing is averaged; the call with
+# sync reduces the sum once, and averages it then: once per synced step.
+# The unit ops wait on the device stream only (no host sync), so a captured
+# step captures them; FXSHARD_CHECK_COLLECTIVES compares each of them, and
+# each eager one, across the replicate group's ranks (a gloo group over each
+# column of the mesh). Graph signatures name the averages, which covers the
+# per-parameter ones lowered into graphs, as for every lowered collective.
 class Replicas:
     """The replicate dimension of an HSDP mesh: its size and group."""
 
@@ -169,7 +219,8 @@ class Replicas:
         self.size, self.group_name = size, group_name
 
     def average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor averaged over the replicas: one all-reduce per dtype."""
+        """Each tensor averaged over the replicas: one all-reduce per dtype
+        (ZeRO-1's reduced gradients, after the backward; see the Note)."""
         out: list[torch.Tensor] = list(grads)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, g in enumerate(grads):

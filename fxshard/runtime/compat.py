@@ -44,6 +44,7 @@ __all__ = [
     "all_gather_async",
     "all_gather_coalesced_async",
     "reduce_scatter_async",
+    "all_reduce_async",
     "assert_async",
     "inductor_row_alignment_bytes",
     "group_backend",
@@ -610,6 +611,15 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: Any, avera
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return fn(out, inp, op=op, group=group, async_op=True)
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Any, average: bool = False) -> Any:
+    """Start an in-place ``all_reduce`` of ``tensor`` that sums, or averages
+    (NCCL only; gloo's AVG is garbage, see ``Units._on_nccl``); returns the Work."""
+    import torch.distributed as dist
+
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
 def compile_phase_times(reset: bool = False) -> dict[str, float]:

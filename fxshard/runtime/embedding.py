@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxshard.runtime import compat, plans
-from fxshard.runtime.collectives import gather_full, reduce_to_shard, shard_range
+from fxshard.runtime.collectives import average_replicas, gather_full, reduce_to_shard, shard_range
+from fxshard.runtime.rank_checks import check_collective
 
 _funcol = torch.ops._c10d_functional
 
@@ -118,23 +119,29 @@ def _(indices, shard, plan, index):
 @torch.library.custom_op("fxshard::embedding_backward", mutates_args=())
 def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """The gradient of ``fxshard::embedding`` with respect to the shard,
-    averaged over the ranks, in the shard's dtype."""
+    averaged over the ranks (on an HSDP mesh, over the replicas too: see
+    [Note: HSDP]), in the shard's dtype."""
     p, count_group = plans.param(plan, index), plans.table(plan).count_group_name
     local_rows = plans.local_rows(plan, index)
     dim = grad.shape[-1]
     acc = p.reduce_dtype or grad.dtype
     grad = grad.reshape(-1, dim)
+    if p.replicas > 1:
+        check_collective(p.replica_group_name, lambda: f"all-reduce over {p.replicas} replicas of the gradient "
+                         f"of {p.fqn!r} ({local_rows} rows)")  # fmt: skip
     if not _same_count(indices.numel(), p.world_size, count_group):
         stats["gathered"] += 1
         full = torch.ops.aten.embedding_dense_backward(grad.to(acc), indices.reshape(-1), p.dim0, -1, False)
-        return reduce_to_shard(full, local_rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype)
+        return reduce_to_shard(full, local_rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype,
+                               p.replicas, p.replica_group_name)  # fmt: skip
     stats["sharded"] += 1
     ids, hit, rows = _local_ids(indices, p.dim0, p.world_size, p.group_name)
     grads = _all_gather(grad, p.world_size, p.group_name).to(acc).masked_fill(~hit.unsqueeze(1), 0)
     out = grads.new_zeros((local_rows, dim))
     if rows:
         out.index_add_(0, ids, grads)
-    return out.div_(p.world_size).to(p.shard_dtype)
+    out = average_replicas(out.div_(p.world_size), p.replicas, p.replica_group_name)
+    return out.to(p.shard_dtype)
 
 
 @embedding_backward.register_fake

@@ -111,13 +111,22 @@ def _unshard_fake(shard, plan, index, phase=SYNC):
 def reduce_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """Reduce-scatter the full gradient of parameter ``index`` of ``plan`` to
     this rank's rows, averaged, on its reduce group: the gather group's
-    ranks on another communicator, so that reduces overlap gathers."""
+    ranks on another communicator, so that reduces overlap gathers. On an
+    HSDP mesh, then averaged over the replicas (see [Note: HSDP])."""
     p, rows = plans.param(plan, index), plans.local_rows(plan, index)
     if p.world_size > 1:
         check_collective(p.reduce_group_name,
                          lambda: f"reduce-scatter of the gradient of {p.fqn!r} {tuple(grad.shape)}")  # fmt: skip
-    out = reduce_to_shard(grad, rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype)
+    _check_replicas(p, rows)
+    out = reduce_to_shard(grad, rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype,
+                          p.replicas, p.replica_group_name)  # fmt: skip
     return _no_alias(out, grad)
+
+
+def _check_replicas(p: plans.ParamPlan, rows: int) -> None:
+    if p.replicas > 1:
+        check_collective(p.replica_group_name,
+                         lambda: f"all-reduce over {p.replicas} replicas of the gradient of {p.fqn!r} ({rows} rows)")  # fmt: skip
 
 
 @reduce_grad.register_fake
@@ -199,12 +208,15 @@ def _replicate_fake(local, plan, index, phase=SYNC):
 
 @torch.library.custom_op("fxshard::all_reduce_grad", mutates_args=())
 def all_reduce_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
-    """All-reduce the gradient of the replicated parameter ``index`` of ``plan``, averaged."""
+    """All-reduce the gradient of the replicated parameter ``index`` of ``plan``,
+    averaged (on an HSDP mesh, over the replicas too)."""
     p = plans.param(plan, index)
     if p.world_size > 1:
         check_collective(p.reduce_group_name,
                          lambda: f"all-reduce of the gradient of {p.fqn!r} {tuple(grad.shape)}")  # fmt: skip
-    out = reduce_replicated(grad, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype)
+    _check_replicas(p, p.dim0)
+    out = reduce_replicated(grad, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype, p.replicas,
+                            p.replica_group_name)  # fmt: skip
     return _no_alias(out, grad)
 
 

@@ -65,6 +65,7 @@ class ParamPlan:
     shard_dtype: torch.dtype
     device: torch.device
     replicas: int = 1  # HSDP: copies across the mesh's replicate dimension (see [Note: HSDP])
+    replica_group_name: str = ""  # HSDP: the group across them, over which gradients are averaged too
 
     @property
     def replicated(self) -> bool:

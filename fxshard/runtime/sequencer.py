@@ -226,12 +226,13 @@ class Sequencer:
         """Reduce parameter ``k``'s full gradient into its ``.grad``."""
         e = self.entries[k]
         grad = grad.reshape(e.full_shape)
+        # HSDP: averaged over the replicas too, in the reduce dtype, as graphs do (see [Note: HSDP]).
+        replicas = (self.replicas.size, self.replicas.group_name) if self.replicas is not None else ()
         if e.replicated:
-            shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
+            shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype, *replicas)
         else:
-            shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype)
-        if self.replicas is not None:
-            (shard,) = self.replicas.average([shard])
+            shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name, e.reduce_dtype,
+                                    e.shard_dtype, *replicas)  # fmt: skip
         self.reduces += 1
         e.add_grad(shard)
 
