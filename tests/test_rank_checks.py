@@ -258,3 +258,30 @@ def test_graph_break_reason_in_plan_and_summary(fake_pg, tmp_path):
     assert "Data-dependent" in plan.graph_break_reason or "data" in plan.graph_break_reason.lower()
     summary = (tmp_path / "rank0" / "graph0" / "summary.txt").read_text()
     assert "sequenced reads" in summary and plan.graph_break_reason in summary
+
+
+def hsdp_read_on_one_replica(rank: int, world_size: int) -> None:
+    """HSDP 2 x 2 with the debug check on: a step trains, checking every
+    average across replicas against the replicate group (see [Note: HSDP]).
+    Then the ranks of replica 0 add a loss term on a weight read outside
+    forward, replica 1's do not: inside each replica the ranks agree, but
+    the replicas are about to average different gradients, and every rank
+    raises before they pair."""
+    os.environ["FXSHARD_CHECK_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fxshard.compile(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), mesh, backend="aot_eager")
+    model(torch.randn(3, 4)).sum().backward()
+
+    def next_step() -> None:
+        loss = model(torch.randn(3, 4)).sum()
+        if mesh.get_local_rank("replicate") == 0:
+            loss = loss + model[1].weight.sum()  # a gather, and its gradient's reduce
+        loss.backward()
+
+    _raises_on_every_rank(next_step, RankMismatchError, "all-reduce over 2 replicas of the gradient of '1.weight'",
+                          "all-reduce over 2 replicas of unit 0's gradients")  # fmt: skip
+
+
+def test_debug_check_sees_the_averages_across_replicas():
+    check_results(run_ranks(4, hsdp_read_on_one_replica, timeout=300))
