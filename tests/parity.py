@@ -316,6 +316,49 @@ SCENARIOS: dict[str, Scenario] = {
         no_sync=True,
         replicas=2,
     ),
+    # Each unit's average across replicas runs inside the backward graph (see
+    # [Note: HSDP]): with every micro-batch synced (the graph of the SYNC
+    # phase, which the two above never run), untied with sharded lookups, a
+    # replicated norm and a frozen layer; then ZeRO-2, each way; then Inductor.
+    "hsdp_sync_each": Scenario(
+        **UNTIED,
+        make_batch=_tokens,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.003),
+        prepare=lambda m: fxshard.no_shard(m.norm),
+        freeze=("layers.0.attn.",),
+        micro_batches=2,
+        clip_norm=0.5,
+        replicas=2,
+        sequenced=False,
+    ),
+    "hsdp_zero2": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="aot_eager", unit_mb=0.003, zero_stage=2),
+        prepare=lambda m: fxshard.no_shard(m.layers[0].mlp),
+        freeze=("layers.1.attn.",),
+        micro_batches=2,
+        replicas=2,
+        sequenced=False,
+    ),
+    "hsdp_zero2_no_sync": Scenario(
+        **UNTIED,
+        make_batch=_tokens,
+        compile_kwargs=dict(backend="aot_eager", zero_stage=2),
+        prepare=lambda m: fxshard.no_shard(m.norm),
+        micro_batches=3,
+        no_sync=True,
+        replicas=2,
+        sequenced=False,
+    ),
+    "hsdp_inductor": Scenario(
+        **UNTIED,
+        make_batch=_tokens,
+        compile_kwargs=dict(backend="inductor", unit_mb=0.003),
+        prepare=lambda m: fxshard.no_shard(m.norm),
+        micro_batches=2,
+        replicas=2,
+        sequenced=False,
+    ),
     "hsdp_sequenced": Scenario(
         make_model=models.GraphBreaks,
         make_batch=lambda g: torch.randn(4, 6, generator=g),

@@ -23,7 +23,8 @@ MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 # replica, so gradients are averaged across replicas only). At 2 x 2 the last
 # (bf16, sharded lookups of ragged token counts) runs under [Note: full_cpu]
 # and on the GPUs at 2 x 1.
-HSDP_CHECKS = ("hsdp", "hsdp_sequenced", "zero1_bf16_hsdp", "hsdp_no_sync_bf16")
+HSDP_CHECKS = ("hsdp", "hsdp_sequenced", "zero1_bf16_hsdp", "hsdp_no_sync_bf16", "hsdp_sync_each", "hsdp_zero2",
+               "hsdp_zero2_no_sync", "hsdp_inductor")  # fmt: skip
 
 
 # llama_tied_inductor (flat graphs under Inductor, 33 s on 2 cores) runs on the
@@ -45,11 +46,13 @@ FULL_CPU_CHECKS = ("llama_tied_inductor", "accumulate_sync_each", "frozen_sharde
                    "units_per_param_prefetch0")  # fmt: skip
 # At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica) the others add little to
 # 2 x 2 and the 1-D checks; the GPU gate runs them all.
-WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp")
+WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp", "hsdp_sync_each",
+                "hsdp_zero2", "hsdp_zero2_no_sync", "hsdp_inductor")  # fmt: skip
 # World size 4 is 4 processes on 2 cores: by default it runs only what needs 4
 # ranks (empty shards: rank 3 holds none of these parameters' rows); the rest
 # of its layout checks run under [Note: full_cpu] and on the GPUs at 2.
-WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", "zero1_uneven", *HSDP_CHECKS[:3])
+WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", "zero1_uneven", *HSDP_CHECKS[:3],
+               "hsdp_sync_each", "hsdp_zero2")  # fmt: skip
 # World sizes 1 and 3 run, by default, the checks whose layout changes most
 # there (empty and ragged shards, tied and direct reads); the unit schedules
 # and ZeRO-1 on the full model run at 2.
