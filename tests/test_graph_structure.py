@@ -937,3 +937,52 @@ def test_hsdp_without_sharding_averages_inside_the_backward(fake_pg, monkeypatch
             for n in bw.graph.nodes
         ), "compute after the replica waits: they are not at the end"
     assert after == []
+
+
+class _ClampLayer(nn.Module):
+    """Writes in place: its own tensor (as Hugging Face's MoE clamps its expert
+    ids), or, with ``on_input``, the block's input activation."""
+
+    def __init__(self, on_input: bool) -> None:
+        super().__init__()
+        self.lin, self.on_input = nn.Linear(8, 8), on_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_input:
+            x = x.detach()
+            x.clamp_(max=1.0)  # the caller's tensor
+            return self.lin(x)
+        y = self.lin(x)
+        y.clamp_(max=1.0)
+        return y
+
+
+class _ClampStack(nn.Module):
+    def __init__(self, on_input: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)  # every layer's input then requires grad: the layers trace alike
+        self.layers = nn.ModuleList(_ClampLayer(on_input) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x) * 1.0
+        return x
+
+
+@pytest.mark.parametrize("on_input", [False, True], ids=["own_value", "input"])
+def test_blocks_writing_in_place(fake_pg, on_input):
+    """A block may write in place to a tensor it made itself: the body replays
+    the write on its own tensor (HF OLMoE's layers were never compiled once
+    for one clamp_ on their expert ids). A write to memory a block input
+    shares keeps the block inline: the caller would not see it."""
+    model = _ClampStack(on_input)
+    fxshard.compile(model, backend="aot_eager")
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    names = ["layers.0", "layers.1", "layers.2"]
+    if on_input:
+        assert record.outline.bodies == [] and record.outline.inline == names
+    else:
+        assert record.outline.bodies == [names] and not record.outline.inline

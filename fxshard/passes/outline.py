@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.passes.dump import dotted_path
@@ -105,13 +106,21 @@ def _tensor_key(value: Any) -> Any:
     return repr(type(value))
 
 
+def _op_name(node: fx.Node) -> str:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]  # an OpOverload's "randn.default"
+
+
+def _in_place(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("_")
+
+
 def _replayable(node: fx.Node) -> bool:
     """Whether a body may hold ``node``: a pure call of a function or method."""
     if node.op not in ("call_function", "call_method"):
         return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    name = name.split(".")[0]  # an OpOverload's "randn.default"
-    if name.endswith("_") and not name.startswith("_") or name in _RANDOM or "dropout" in name:
+    name = _op_name(node)
+    if _in_place(name) or name in _RANDOM or "dropout" in name:
         return False  # in place, or random
     if str(node.target).startswith("fxshard."):  # an fxshard op (OpOverload or packet)
         return False  # a collective: the unit passes must see it
@@ -129,13 +138,40 @@ class _Block:
     key: tuple
 
 
+def _storage(node: fx.Node) -> Any:
+    value = example_value(node)
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def _writes_own_value(node: fx.Node, members: set[fx.Node], outside: set[Any]) -> bool:
+    """An in-place op on a tensor the block made, that no block input shares
+    memory with (Hugging Face's MoE clamps its expert ids in place): the body
+    replays it on its own tensor, and AOTAutograd functionalizes it."""
+    if node.op not in ("call_function", "call_method") or not _in_place(_op_name(node)):
+        return False
+    if _op_name(node) in _RANDOM or "dropout" in _op_name(node):
+        return False
+    target = node.args[0] if node.args else None
+    if target not in members:
+        return False
+    storage = _storage(target)
+    return storage is not None and storage not in outside and _replayable_args(node)
+
+
+def _replayable_args(node: fx.Node) -> bool:
+    """The op's other arguments are plain values or nodes (no effects of their own to check)."""
+    return not (compat.is_higher_order_op(node.target) or str(node.target).startswith("fxshard."))
+
+
 def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
     members = set(nodes)
     local = {n: i for i, n in enumerate(nodes)}
     inputs: dict[fx.Node, int] = {}
     ops = []
+    outside = {_storage(a) for n in nodes for a in n.all_input_nodes if a not in members} - {None}
     for node in nodes:
-        if not _replayable(node) or not _static(example_value(node)):
+        replayable = _replayable(node) or _writes_own_value(node, members, outside)
+        if not replayable or not _static(example_value(node)):
             return None
 
         def ref(arg: fx.Node) -> Any:
