@@ -228,15 +228,21 @@ def merge(paths: list[str]) -> dict:
     """Several matrix runs (device calls) as one: their rows in order, each
     with its run's commit and date; the meta of the first, with every commit."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
+    # A row keeps what it already carries (a merged file's rows ran at several commits).
     rows = [
-        {**row, "commit": run["meta"]["commit"], "date": run["meta"]["date"]} for run in runs for row in run["rows"]
+        {"commit": run["meta"]["commit"], "baseline": run["meta"].get("baseline"), "date": run["meta"]["date"], **row}
+        for run in runs
+        for row in run["rows"]
     ]
     for run in runs[1:]:
         for key in ("device", "gpus", "torch", "nccl"):
             if run["meta"].get(key) != runs[0]["meta"].get(key):
                 raise SystemExit(f"{key} differs between runs ({runs[0]['meta'].get(key)}, {run['meta'].get(key)})")
-    commits = list(dict.fromkeys(run["meta"]["commit"] for run in runs))
-    return {"meta": {**runs[0]["meta"], "commit": ", ".join(commits), "merged": paths}, "rows": rows}
+    commits = list(dict.fromkeys(row["commit"][:7] for row in rows))
+    # Each run once, named by commit and file (a file name can come back from another session's call).
+    merged = list(dict.fromkeys(m for p, run in zip(paths, runs)
+                                for m in run["meta"].get("merged") or [f"{run['meta']['commit'][:7]}:{p}"]))  # fmt: skip
+    return {"meta": {**runs[0]["meta"], "commit": ", ".join(commits), "merged": merged}, "rows": rows}
 
 
 def markdown(data: dict) -> str:
@@ -244,11 +250,11 @@ def markdown(data: dict) -> str:
     lines = [
         f"{meta.get('gpus', '?')} x {meta.get('device', '?')}, torch {meta.get('torch', '?')}, "
         f"NCCL {meta.get('nccl', '?')}; fxshard at {meta['commit']}, baseline fxshard at "
-        f"{(meta.get('baseline') or '-')[:12]}; {meta['date']}. bf16 compute, fp32 reduce and master weights; "
+        f"{'each row' if meta.get('merged') else (meta.get('baseline') or '-')[:12]}; {meta['date']}. bf16 compute, fp32 reduce and master weights; "
         "each system in its own process; step time is the median of the timed steps; memory is peak allocated / "
         "reserved. Targets: step time at most 0.9x FSDP2 + compile (MoE 0.6x), peak memory at most 1.0x; "
         "a captured step at most 1.0x the time and 1.05x the reserved memory of the same step uncaptured."
-        + (f" Rows from {len(set(meta['merged']))} device calls; the systems of a row ran in one." if meta.get("merged") else ""),
+        + (f" Rows from {len(set(meta['merged']))} runs of this command; the systems of a row ran in one device call." if meta.get("merged") else ""),
         "",
         "| row | FSDP2 + compile | fxshard | ratios | fxshard at baseline | vs baseline | TFLOP/s/GPU (MFU 790 / 989) | targets missed |",
         "|---|---|---|---|---|---|---|---|",
@@ -260,8 +266,11 @@ def markdown(data: dict) -> str:
             continue
         ours_key = "fxshard_graph" if spec["graph"] else "fxshard"
         ours = r.get(ours_key)
-        first = (meta.get("baseline") or "")[:7]
+        first = ((row["baseline"] if "baseline" in row else meta.get("baseline")) or "")[:7]
         base = r.get(f"{ours_key}@{first}")
+        # Merged runs: each row says which commits it compared.
+        against = f" vs {first}" if base else ""
+        name = f"{spec['name']} ({row['commit'][:7]}{against})" if meta.get("merged") else spec["name"]
         if spec["graph"] and r.get("fxshard_capturable"):
             ours_cell = f"{cell(ours)} (uncaptured {cell(r['fxshard_capturable'])})"
         else:
@@ -271,7 +280,7 @@ def markdown(data: dict) -> str:
         mfu = f"{tflops:.0f} ({tflops / GEMM_PEAK:.0%} / {tflops / DATASHEET_PEAK:.0%})" if tflops else "-"
         shown, missed = verdict(row)
         lines.append(
-            f"| {spec['name']} | {cell(r.get('fsdp2_compile'))} | {ours_cell} | {', '.join(shown) or '-'} | "
+            f"| {name} | {cell(r.get('fsdp2_compile'))} | {ours_cell} | {', '.join(shown) or '-'} | "
             f"{cell(base)} | {f'{vs_base:.2f}x' if vs_base else '-'} | {mfu} | {'; '.join(missed) or 'none'} |"
         )
     return "\n".join(lines)

@@ -1651,6 +1651,9 @@ SLOWER = {
     "train_single_group_shard_dim0", "train_multi_group_keep_full", "activation_checkpointing_wrapper",
     "gradient_accumulation_root_only", "container_activations_tuple", "structured_activations_dataclass",
     "structured_activations_bf16", "gradient_accumulation_keep_full", "container_activations_namedtuple",
+    # checkpointing: double_forward_nested_checkpoint and tests/test_torchtitan.py's llama3+full_ac;
+    # micro-batches without sync: gradient_accumulation; prefetch: tests/test_parity.py's units_small_prefetch2
+    "activation_checkpointing", "microbatching_1f1b", "explicit_prefetching",
 }  # fmt: skip
 # Scenarios that need 4 ranks (a 2 x 2 HSDP mesh).
 FOUR_RANKS = {"hsdp_gradient_accumulation", "hsdp_broadcast_across_replicas"}
