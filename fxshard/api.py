@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +24,9 @@ from fxshard.options import options
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend, GraphRecord
 from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
-from fxshard.runtime import compat, rank_checks
-from fxshard.runtime.collectives import Replicas
+from fxshard.runtime import rank_checks
 from fxshard.runtime.plans import ParamPlan, PlanTable
+from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import Units
 from fxshard.sharding import PLAN, FXShardModule, RootState, shard_parameters
 
@@ -43,8 +41,7 @@ class ShardPlan:
     with the rewritten forward and backward graphs and their collective reports.
     """
 
-    mesh: DeviceMesh  # as the user passed it: the parameters' DTensors live on it
-    shard_mesh: DeviceMesh  # its dimension that parameters are sharded over (the mesh itself if 1-D)
+    topology: Topology  # the mesh, read once (see [Note: topology])
     params: tuple[ParamPlan, ...]  # per distinct parameter: placement, gradient reduce, lifetime, dtypes
     zero_stage: int
     mp_policy: MixedPrecision
@@ -53,6 +50,16 @@ class ShardPlan:
     graphs: list[GraphRecord]
     root: RootState
     units: Units | None  # None at world size 1 and for backend="eager"
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """As the user passed it (or all ranks): the parameters' DTensors live on it."""
+        return self.topology.mesh
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """Its dimension that parameters are sharded over (the mesh itself if 1-D)."""
+        return self.topology.shard_mesh
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -146,17 +153,9 @@ def _default_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    """This rank's device of ``mesh``: where its shards live."""
-    if mesh.device_type != "cpu" and torch.accelerator.is_available():
-        return torch.device(mesh.device_type, torch.accelerator.current_device_index())
-    return torch.device(mesh.device_type)
-
-
-def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Parameters on the mesh's device, or all on the meta device (meta-device
-    init: ``model.to_empty`` materializes the shards after compile)."""
-    expected = _mesh_device(mesh)
+def _check_devices(model: nn.Module, expected: torch.device) -> None:
+    """Parameters on this rank's mesh device, or all on the meta device
+    (meta-device init: ``model.to_empty`` materializes the shards after compile)."""
     devices = {p.device.type for p in model.parameters()}
     if "meta" in devices and devices != {"meta"}:
         meta = next(n for n, p in model.named_parameters() if p.is_meta)
@@ -175,142 +174,32 @@ def _check_devices(model: nn.Module, mesh: DeviceMesh) -> None:
             )
 
 
-def _resolve_mesh(model: nn.Module, mesh: DeviceMesh | None) -> DeviceMesh:
+def _topology(model: nn.Module, mesh: DeviceMesh | None) -> Topology:
+    """The user's mesh (all ranks where None), read once (see [Note: topology])."""
     if mesh is None:
         first = next(model.parameters(), None)
         device_type = first.device.type if first is not None else "cpu"
         if device_type == "meta":  # materialized later, on this machine's accelerator if it has one
             device_type = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
         mesh = _default_mesh(device_type)
-    elif not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"mesh must be 1-D (shard over it) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)}; pass the data-parallel submesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
-        )
-    if mesh.mesh.numel() != dist.get_world_size():
-        raise ValueError(
-            f"mesh covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks; fxshard makes its side "
-            "communicators with torch.distributed.new_group, which every rank must enter, so pass a mesh over "
-            "all ranks (a 2-D (replicate, shard) mesh for HSDP)"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            "a 2-D (HSDP) mesh needs named dimensions, replicate first: "
-            "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
-        )
-    _check_devices(model, mesh)
-    return mesh
+    topology = Topology.from_mesh(mesh)
+    _check_devices(model, topology.device)
+    return topology
 
 
-def _shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh that parameters are sharded over: the mesh itself, or a
-    2-D (replicate, shard) mesh's inner dimension (HSDP; see [Note: HSDP])."""
-    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[1]]
-
-
-def _replicas(mesh: DeviceMesh) -> Replicas | None:
-    """The group across replicas of a 2-D (HSDP) mesh; None for a 1-D one or one replica."""
-    if mesh.ndim == 1 or mesh.size(0) == 1:
-        return None
-    return Replicas(mesh.size(0), mesh.get_group(0).group_name)
-
-
-# The groups fxshard adds beside a mesh's group, made once per mesh group and
-# kind: every compile on one mesh shares them. A new NCCL communicator per
-# compile would hold GPU memory for the life of the process.
-_SIDE_GROUPS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def _side_group(mesh: DeviceMesh, kind: str, backend: str | None = None) -> Any:
-    """The ``kind`` group over the ranks of this rank's shard group of
-    ``mesh``: the one made for an earlier compile while it lives, else a new
-    one. ``new_group`` is collective over all ranks, so every rank makes the
-    side group of every replica's shard ranks, in mesh order, and keeps its own."""
-    made = _SIDE_GROUPS.setdefault(_shard_mesh(mesh).get_group(), {})
-    side = made.get(kind)
-    if side is None or not compat.group_is_live(side):
-        rank = dist.get_rank()
-        for ranks in mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist():
-            group = dist.new_group(ranks, backend=backend)
-            if rank in ranks:
-                side = made[kind] = group
-    return side
-
-
-def _reduce_group(mesh: DeviceMesh) -> str:
-    """The group the reduce-scatters run on: the shard group's ranks again,
-    on a communicator (an NCCL stream) of their own, so that they overlap
-    the all-gathers of the backward."""
-    shards = _shard_mesh(mesh)
-    return shards.get_group().group_name if shards.size() == 1 else _side_group(mesh, "reduce").group_name
-
-
-def _count_group(mesh: DeviceMesh) -> str:
-    """A CPU group over the shard group's ranks, on which sharded embedding
-    lookups compare token counts without touching the device stream (see
-    [Note: sharded lookups]): the shard group itself where it is gloo, a
-    gloo group beside it otherwise, and "" for the fake group, which moves no data."""
-    group = _shard_mesh(mesh).get_group()
-    backend = compat.group_backend(group.group_name)
-    if backend == "fake":
-        return ""
-    if backend == "gloo":
-        return group.group_name
-    return _side_group(mesh, "count", backend="gloo").group_name
-
-
-# Compiles so far per mesh group: every rank compiles the same models in the
-# same order, so the count names a model's keys in the store alike on every rank.
-_COMPILES: dict[str, int] = {}
-
-
-def _graph_agreement(mesh: DeviceMesh, what: str = "graphs") -> rank_checks.GraphAgreement | None:
-    """What compares each graph's collectives across ranks before it first
-    runs (see [Note: ranks agree on each graph]): over every rank of the
-    mesh, replicas of an HSDP mesh included, since their gradients are
-    averaged together. None where there is nothing to compare (one rank, the
-    fake group)."""
-    flat = compat.flat_mesh(mesh)
-    group_name = flat.get_group().group_name
-    if flat.size() == 1 or compat.group_backend(group_name) == "fake":
-        return None
-    n = _COMPILES[group_name] = _COMPILES.get(group_name, -1) + 1
-    return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/{what}/{group_name}/{n}",
-                                      flat.get_local_rank(), flat.size())  # fmt: skip
-
-
-def _check_collectives(mesh: DeviceMesh, reduce_group_name: str, replicas: Replicas | None) -> None:
+def _check_collectives(topology: Topology) -> None:
     """FXSHARD_CHECK_COLLECTIVES=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL: every
     collective fxshard issues from Python is compared across ranks first, on
     a gloo group (see [Note: checked collectives]): those of the shard
     dimension among its ranks, and the averages across HSDP replicas among
     theirs."""
-    group = _shard_mesh(mesh).get_group()
-    if group.size() == 1 or compat.group_backend(group.group_name) == "fake":
-        return
-    log.warning(
-        "fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging"
-    )
-    check_group = _side_group(mesh, "check", backend="gloo")
-    rank_checks.register_checked([group.group_name, reduce_group_name], check_group)
-    if replicas is not None:
-        rank_checks.register_checked([replicas.group_name], _replica_check_group(mesh))
-
-
-def _replica_check_group(mesh: DeviceMesh) -> Any:
-    """A gloo group over the ranks of this rank's replicate group of a 2-D
-    mesh (a column of it), made once per mesh group as ``_side_group`` does."""
-    made = _SIDE_GROUPS.setdefault(mesh.get_group(0), {})
-    side = made.get("check")
-    if side is None or not compat.group_is_live(side):
-        rank = dist.get_rank()
-        for ranks in mesh.mesh.reshape(mesh.mesh.shape[0], -1).t().tolist():
-            group = dist.new_group(ranks, backend="gloo")
-            if rank in ranks:
-                side = made["check"] = group
-    return side
+    checked = topology.check_groups()
+    if checked:
+        log.warning(
+            "fxshard: checking every collective across ranks first (FXSHARD_CHECK_COLLECTIVES); slow, for debugging"
+        )
+    for names, check_group in checked:
+        rank_checks.register_checked(names, check_group)
 
 
 def _write_plan(debug_dir: str, table: PlanTable) -> None:
@@ -414,25 +303,23 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                    compile_blocks_once=compile_blocks_once, reduces_in_flight=reduces_in_flight,
                    debug_dir=debug_dir, check_same_init=check_same_init, shard_frozen=shard_frozen)  # fmt: skip
     explicit = _explicit_units(model, units)
-    mesh = _resolve_mesh(model, mesh)
-    device = _mesh_device(mesh)
+    topology = _topology(model, mesh)
+    shard, replicas, device = topology.shard, topology.replicas, topology.device
     whole = marked(model)
-    memory = check_same_model(model, compat.flat_mesh(mesh), values=opts.check_same_init, whole=whole,
+    memory = check_same_model(model, topology, values=opts.check_same_init, whole=whole,
                               memory=device_memory(device))  # fmt: skip
     # Below, everything runs on the shard dimension; HSDP adds to each reduce
     # an average across replicas (see [Note: HSDP] in fxshard/runtime/collectives.py).
-    shards, replicas = _shard_mesh(mesh), _replicas(mesh)
-
-    reduce_group_name = _reduce_group(mesh)
+    reduce_group_name = topology.reduce_group()
     if opts.check_collectives:
-        _check_collectives(mesh, reduce_group_name, replicas)
+        _check_collectives(topology)
     lifetime = {1: Lifetime.ALWAYS, 2: Lifetime.STEP, 3: Lifetime.LAST_USE}[opts.zero_stage]
-    plans = build_plan(model, shards, device, opts.mp_policy, reduce_group_name, lifetime, opts.shard_frozen,
-                       memory, whole, *((replicas.size, replicas.group_name) if replicas is not None else ()))  # fmt: skip
+    plans = build_plan(model, topology, opts.mp_policy, reduce_group_name, lifetime, opts.shard_frozen, memory,
+                       whole)  # fmt: skip
     params = tuple(plans.values())
-    sharded_embeddings = opts.sharded_embeddings and opts.backend != "eager" and shards.size() > 1
-    count_group = _count_group(mesh) if sharded_embeddings else ""
-    state = shard_parameters(model, plans, mesh, shards, replicas, device, sequenced=opts.backend == "eager",
+    sharded_embeddings = opts.sharded_embeddings and opts.backend != "eager" and shard.size > 1
+    count_group = topology.count_group() if sharded_embeddings else ""
+    state = shard_parameters(model, plans, topology, sequenced=opts.backend == "eager",
                              bucket_bytes=opts.unit_bytes, count_group_name=count_group)  # fmt: skip
     if opts.mp_policy.cast_forward_inputs:
         state.input_dtype = opts.mp_policy.param_dtype
@@ -441,26 +328,26 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     graphs: list[GraphRecord] = []
     unit_plan = None
     if opts.backend != "eager":
-        spec = BackendSpec(opts.backend, opts.reshard_after_forward, dist.get_rank(), shards.size(),
-                           shards.get_group().group_name, opts.debug_dir, opts.unit_bytes, opts.prefetch,
-                           sharded_embeddings, opts.compile_blocks_once, opts.reduces_in_flight,
-                           format_plan(params), explicit, opts.disabled_passes, opts.inductor_config)  # fmt: skip
-        if shards.size() > 1:
-            unit_plan = Units(state.infos, shards.size(), shards.get_group().group_name, reduce_group_name, replicas)
-        compiled = FXShardBackend(spec, unit_plan, _graph_agreement(mesh))
+        spec = BackendSpec(opts.backend, opts.reshard_after_forward, dist.get_rank(), shard.size, shard.name,
+                           opts.debug_dir, opts.unit_bytes, opts.prefetch, sharded_embeddings,
+                           opts.compile_blocks_once, opts.reduces_in_flight, format_plan(params), explicit,
+                           opts.disabled_passes, opts.inductor_config)  # fmt: skip
+        if shard.size > 1:
+            unit_plan = Units(state.infos, shard.size, shard.name, reduce_group_name, replicas)
+        compiled = FXShardBackend(spec, unit_plan, topology.agreement())
         if state.shards.kept is not None:
-            state.shards.kept.agreement = _graph_agreement(mesh, "zero1")
+            state.shards.kept.agreement = topology.agreement("zero1")
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)
         state.attach(compiled, unit_plan)
     plan = ShardPlan(
-        mesh, shards, params, opts.zero_stage, opts.mp_policy, opts.backend, opts.debug_dir, graphs, state, unit_plan
+        topology, params, opts.zero_stage, opts.mp_policy, opts.backend, opts.debug_dir, graphs, state, unit_plan
     )
     # On the instance: the class may outlive the model (see sharding._root_methods).
     model.__dict__[PLAN] = plan
     # Full state dicts load into the shards; another rank's shards do not.
-    checkpoint.install(model, shards.get_local_rank(), shards.size())
-    log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shards.size(),
+    checkpoint.install(model, shard.rank, shard.size)
+    log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shard.size,
              1 if replicas is None else replicas.size, opts.backend)  # fmt: skip
     return model

@@ -27,9 +27,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from fxshard.runtime import compat
+from fxshard.runtime.topology import Topology
 
 _CHUNK = 1 << 22  # elements per step of a checksum: bounds its temporary memory
 _WEIGHT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as int64: position weights that wrap differently per element
@@ -74,14 +73,11 @@ def _hash64(lines: list[str]) -> int:
     return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little", signed=True)
 
 
-def _all_gather(values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def _all_gather(values: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Every rank's ``values``, one row per rank (on the host)."""
-    device = torch.device(mesh.device_type)
-    if mesh.device_type != "cpu" and torch.accelerator.is_available():
-        device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
-    values = values.to(device)
-    rows = [torch.empty_like(values) for _ in range(mesh.size())]
-    dist.all_gather(rows, values, group=mesh.get_group())
+    values = values.to(topology.device)
+    rows = [torch.empty_like(values) for _ in range(topology.world.size)]
+    dist.all_gather(rows, values, group=topology.world.pg)
     return torch.stack(rows).cpu()
 
 
@@ -97,36 +93,36 @@ def _first_difference(layouts: list[list[str]]) -> str:
 
 
 def check_same_model(
-    model: nn.Module, mesh: DeviceMesh, values: bool, whole: set[int], memory: int | None
+    model: nn.Module, topology: Topology, values: bool, whole: set[int], memory: int | None
 ) -> int | None:
-    """Raise ``ValueError`` on every rank unless every rank of ``mesh`` holds
+    """Raise ``ValueError`` on every rank unless every rank of the mesh holds
     the same parameters (``whole``: the ids of those ``fxshard.no_shard``
     marked) and, with ``values``, the same initial values. Returns the
     smallest ``memory`` (device bytes, None for unknown) of all ranks, so that
     decisions made from it are the same on every rank."""
-    if mesh.size() == 1 or compat.group_backend(mesh.get_group().group_name) == "fake":
+    if not topology.world.moves_data:
         return memory  # the fake group moves no data: nothing to compare
     params = _distinct(model)
     layout = _layout(params, whole)
     mine = -1 if memory is None else memory
-    heads = _all_gather(torch.tensor([len(layout), _hash64(layout), mine], dtype=torch.int64), mesh)
+    heads = _all_gather(torch.tensor([len(layout), _hash64(layout), mine], dtype=torch.int64), topology)
     memories = heads[:, 2]
     smallest = None if bool((memories < 0).any()) else int(memories.min())
     heads = heads[:, :2]
     if not bool((heads == heads[0]).all()):
-        layouts: list = [None] * mesh.size()
-        dist.all_gather_object(layouts, layout, group=mesh.get_group())
+        layouts: list = [None] * topology.world.size
+        dist.all_gather_object(layouts, layout, group=topology.world.pg)
         raise ValueError(
             f"fxshard.compile: the ranks hold different models ({_first_difference(layouts)}); every rank must "
             "build the same model (same architecture and configuration) before fxshard.compile"
         )
     if not values or not params:
         return smallest
-    sums = _all_gather(torch.stack([checksum(p) for _, p in params]).cpu(), mesh)
+    sums = _all_gather(torch.stack([checksum(p) for _, p in params]).cpu(), topology)
     differs = (sums != sums[0]).any(0)
     if bool(differs.any()):
         i = int(differs.nonzero()[0])
-        ranks = [r for r in range(mesh.size()) if sums[r, i] != sums[0, i]]
+        ranks = [r for r in range(topology.world.size) if sums[r, i] != sums[0, i]]
         raise ValueError(
             f"fxshard.compile: parameter {params[i][0]!r} holds different initial values on rank 0 and rank(s) "
             f"{ranks}; fxshard keeps each rank's own rows and broadcasts nothing. Seed every rank identically "

@@ -273,11 +273,12 @@ class CapturedStep:
                     "(set_requires_gradient_sync(False)), and a replay cannot carry them to the next call. Capture "
                     "every micro-batch of one optimizer step, the last with set_requires_gradient_sync(True)"
                 )
-            if plan.mesh.device_type != "cuda":
+            topology = plan.topology
+            if topology.device.type != "cuda":
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__} is sharded over a "
-                                 f"{plan.mesh.device_type} mesh; CUDA graphs need a CUDA mesh with NCCL")  # fmt: skip
-            backend = compat.group_backend(plan.shard_mesh.get_group().group_name)
-            if plan.mesh.size() > 1 and backend != "nccl":
+                                 f"{topology.device.type} mesh; CUDA graphs need a CUDA mesh with NCCL")  # fmt: skip
+            backend = topology.shard.backend
+            if topology.world.size > 1 and backend != "nccl":
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__}'s process group is {backend}; a "
                                  "captured step's collectives need NCCL: init_process_group('nccl')")  # fmt: skip
         for opt in optimizers:

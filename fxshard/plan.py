@@ -25,12 +25,12 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fxshard.params import GatheredParameter
 from fxshard.policy import MixedPrecision
 from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, Reduce, placement_text, reduce_text
+from fxshard.runtime.topology import Topology
 
 # Frozen parameters are replicated by default only while, replicated, they
 # take at most this share of the device's memory.
@@ -100,24 +100,19 @@ def distinct_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
 
 def build_plan(
     model: nn.Module,
-    mesh: DeviceMesh,
-    device: torch.device,
+    topology: Topology,
     mp: MixedPrecision,
     reduce_group_name: str,
     sharded_lifetime: Lifetime,
     shard_frozen: bool,
     memory: int | None,
     whole: set[int],
-    replicas: int = 1,
-    replica_group_name: str = "",
 ) -> dict[int, ParamPlan]:
     """Each distinct parameter's plan, by the parameter's id, in registration
-    order. ``mesh``: the one it is sharded over. ``sharded_lifetime``: how
+    order. ``topology``: the mesh it is sharded over. ``sharded_lifetime``: how
     long a sharded parameter's gathered value lives (the ZeRO stage). ``memory``: the smallest
     device memory of all ranks (bytes), so that every rank decides alike
-    whether frozen parameters fit. ``whole``: what ``marked`` returns.
-    ``replicas``: the size of an HSDP mesh's replicate dimension, and
-    ``replica_group_name`` its group."""
+    whether frozen parameters fit. ``whole``: what ``marked`` returns."""
     params = list(distinct_parameters(model))
     frozen = [p for _, p in params if not p.requires_grad and id(p) not in whole]
     replicate_frozen = not shard_frozen
@@ -133,6 +128,7 @@ def build_plan(
                 len(frozen), frozen_bytes / 2**30, int(FROZEN_REPLICATE_SHARE * 100),
             )  # fmt: skip
             replicate_frozen = False
+    shard, replicas = topology.shard, topology.replicas
     plans: dict[int, ParamPlan] = {}
     for fqn, param in params:
         # A 0-dimensional parameter (a learned scale) has no dim 0 to shard.
@@ -146,9 +142,9 @@ def build_plan(
         dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
         plans[id(param)] = ParamPlan(
             fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,
-            param.shape[0] if param.dim() else 1, mesh.size(), mesh.get_group().group_name, reduce_group_name,
-            dtype, mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, device, replicas,
-            replica_group_name,
+            param.shape[0] if param.dim() else 1, shard.size, shard.name, reduce_group_name, dtype,
+            mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, topology.device,
+            *((replicas.size, replicas.group_name) if replicas is not None else ()),
         )  # fmt: skip
     return plans
 

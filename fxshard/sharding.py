@@ -58,17 +58,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from fxshard import params as param_writes
 from fxshard.kept import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
-from fxshard.runtime.collectives import Replicas, shard_range
+from fxshard.runtime.collectives import shard_range
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
 from fxshard.runtime.plans import PlanTable
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
+from fxshard.runtime.topology import Group, Topology
 from fxshard.runtime.units import ParamInfo, Units, in_slot
 
 if TYPE_CHECKING:
@@ -607,44 +607,39 @@ def _slot_backed(shard: DTensor) -> DTensor:
                               stride=shard.stride())  # fmt: skip
 
 
-def _shard_of(full: torch.Tensor, mesh: DeviceMesh, shard_mesh: DeviceMesh, spec: ParamPlan) -> DTensor:
-    """``full`` as this rank's DTensor on ``mesh``: replicated on every
-    dimension but the last (``shard_mesh``), where ``spec`` says."""
-    outer = [Replicate()] * (mesh.ndim - 1)
+def _shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> DTensor:
+    """``full`` as this rank's DTensor on the mesh: replicated on every
+    dimension but the shard dimension, where ``spec`` says."""
     # Shards are row-major whatever the parameter's strides (``nn.Parameter(w.t())``):
     # units, collectives and rows-of-a-full-value copies all assume it.
     full = full.detach().contiguous()
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
-        dt = DTensor.from_local(full, mesh, [*outer, Replicate()], run_check=False, shape=full.shape,
-                                stride=full.stride())  # fmt: skip
+        dt = DTensor.from_local(full, topology.mesh, topology.placements(sharded=False), run_check=False,
+                                shape=full.shape, stride=full.stride())  # fmt: skip
         return param_writes.shard_parameter(dt, spec.requires_grad)
-    start, end = shard_range(full.shape[0], shard_mesh.size(), shard_mesh.get_local_rank())
-    local = in_slot(full[start:end], full.shape, shard_mesh.size())  # see Units.rehome
-    dt = DTensor.from_local(local, mesh, [*outer, Shard(0)], run_check=False, shape=full.shape,
-                            stride=full.stride())  # fmt: skip
+    start, end = shard_range(full.shape[0], topology.shard.size, topology.shard.rank)
+    local = in_slot(full[start:end], full.shape, topology.shard.size)  # see Units.rehome
+    dt = DTensor.from_local(local, topology.mesh, topology.placements(sharded=True), run_check=False,
+                            shape=full.shape, stride=full.stride())  # fmt: skip
     return param_writes.shard_parameter(dt, spec.requires_grad)
 
 
 def shard_parameters(
     model: nn.Module,
     plans: dict[int, ParamPlan],
-    mesh: DeviceMesh,
-    shard_mesh: DeviceMesh,
-    replicas: Replicas | None,
-    device: torch.device,
+    topology: Topology,
     sequenced: bool,
     bucket_bytes: int,
     count_group_name: str = "",
 ) -> RootState:
     """Shard every parameter of ``model`` in place as ``plans`` (by the
-    parameter's id) says; return the root's state. ``mesh``: the user's, on
-    which the DTensors live; ``shard_mesh``: its dimension parameters are
-    sharded over; ``replicas``: across which the sequencer and ZeRO-1's
-    copies average gradients (HSDP; graphs' reduces average themselves: see
-    [Note: HSDP]). ``bucket_bytes``: the size of ZeRO-1's
+    parameter's id) says; return the root's state. ``topology``: the mesh
+    the DTensors live on and are sharded over; its replicas are what the
+    sequencer and ZeRO-1's copies average gradients across (HSDP; graphs'
+    reduces average themselves: see [Note: HSDP]). ``bucket_bytes``: the size of ZeRO-1's
     coalesced gathers and reduces (see [Note: ZeRO-1]). ``count_group_name``:
     where sharded lookups compare token counts (see [Note: sharded lookups]). ``sequenced`` starts with
-    sequenced reads (eager runs). ``device`` is where shards live: the
+    sequenced reads (eager runs). Shards live on the topology's device: the
     parameters' device, or the mesh's for parameters on the meta device
     (materialized later by ``to_empty``).
 
@@ -667,23 +662,24 @@ def shard_parameters(
         spec = plans[key]
         first_mod, first_attr = mod_attrs[0]
         old = first_mod._parameters[first_attr]
-        shard = _shard_of(old, mesh, shard_mesh, spec)
+        shard = _shard_of(old, topology, spec)
         param_writes.retire(old, spec.fqn)
         fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
-        entries.append(_seq_entry(first_mod, first_attr, spec, shard_mesh))
+        entries.append(_seq_entry(first_mod, first_attr, spec, topology.shard))
         if not spec.replicated and not spec.kept:  # units gather and reduce shards that graphs gather
-            infos.append(_param_info(first_mod, first_attr, spec, shard_mesh))
+            infos.append(_param_info(first_mod, first_attr, spec, topology.shard))
     per_module.setdefault(model, {})
     table = PlanTable(tuple(plans[key] for key in owners), tuple(e.local_rows for e in entries), count_group_name)
     index = {spec.fqn: i for i, spec in enumerate(table.params)}
-    sequencer = Sequencer(table.id, entries, shard_mesh.size(), shard_mesh.get_group().group_name, replicas)
+    replicas = topology.replicas
+    sequencer = Sequencer(table.id, entries, topology.shard.size, topology.shard.name, replicas)
     kept = {i: spec for i, spec in enumerate(table.params) if spec.kept}
     kept_rows = {i: table.local_rows[i] for i in kept}
     shards = LocalShards(list(owners.values()), KeptParams(kept, kept_rows, replicas, bucket_bytes) if kept else None)
-    state = RootState(shards, sequencer, sequenced, tuple(infos), device, fqns, table)
+    state = RootState(shards, sequencer, sequenced, tuple(infos), topology.device, fqns, table)
     param_writes.watch_unsynced(state)
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
@@ -692,7 +688,7 @@ def shard_parameters(
     return state
 
 
-def _seq_entry(module: nn.Module, attr: str, spec: ParamPlan, mesh: DeviceMesh) -> SeqEntry:
+def _seq_entry(module: nn.Module, attr: str, spec: ParamPlan, shard: Group) -> SeqEntry:
     def local() -> torch.Tensor:
         return module._parameters[attr].to_local().detach()
 
@@ -704,7 +700,7 @@ def _seq_entry(module: nn.Module, attr: str, spec: ParamPlan, mesh: DeviceMesh) 
         else:
             param.grad.to_local().add_(grad)
 
-    start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+    start, end = shard_range(spec.dim0, shard.size, shard.rank)
     if spec.replicated:
         start, end = 0, spec.dim0
 
@@ -715,14 +711,14 @@ def _seq_entry(module: nn.Module, attr: str, spec: ParamPlan, mesh: DeviceMesh) 
                     trainable, local, add_grad, spec.replicated)  # fmt: skip
 
 
-def _param_info(module: nn.Module, attr: str, spec: ParamPlan, mesh: DeviceMesh) -> ParamInfo:
+def _param_info(module: nn.Module, attr: str, spec: ParamPlan, shard: Group) -> ParamInfo:
     def local() -> torch.Tensor:
         return compat.local_tensor(module._parameters[attr])
 
     def rehome(tensor: torch.Tensor) -> None:
         compat.replace_local_tensor(module._parameters[attr], tensor)
 
-    start, end = shard_range(spec.dim0, mesh.size(), mesh.get_local_rank())
+    start, end = shard_range(spec.dim0, shard.size, shard.rank)
     gather_dtype = spec.dtype or spec.shard_dtype
     return ParamInfo(spec.fqn, spec.shape, end - start, spec.shard_dtype, gather_dtype,
                      spec.reduce_dtype or gather_dtype, spec.device, local, rehome)  # fmt: skip

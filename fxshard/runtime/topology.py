@@ -1,0 +1,198 @@
+"""The mesh, read once: which ranks shard, replicate and agree with each other.
+
+[Note: topology]
+``fxshard.compile`` takes a ``DeviceMesh`` and builds one ``Topology`` from
+it (``Topology.from_mesh``), in the spirit of FSDP2's mesh-info records and
+torchtitan's ``ParallelDims``. This module is the only code that reads a
+mesh's dimensions, ranks or groups, or calls ``torch.distributed.new_group``;
+everything else takes the topology, or the plain names and sizes it gives:
+- ``shard``: the group parameters are sharded over, the mesh's last
+  dimension (the mesh itself if 1-D). Gathers, reduce-scatters and the
+  sharded embedding exchange run on it.
+- ``replicas``: HSDP's replicate dimension, the first of a 2-D (replicate,
+  shard) mesh; None on a 1-D mesh or with one replica. Each reduced
+  gradient is averaged across it (see [Note: HSDP]).
+- ``world``: every rank of the mesh. Ranks check that they hold the same
+  model, and agree on each graph's collectives, over it.
+- side groups over the shard group's ranks, made on first use and shared by
+  every compile on the same mesh group (``reduce_group``, ``count_group``,
+  ``check_groups``): a new NCCL communicator per compile would hold GPU
+  memory for the life of the process.
+The passes and the runtime's collectives take group names and sizes, plain
+values, not this object: they are traced into graphs and compared across
+ranks as text.
+
+The mesh itself stays the parameters' home: their DTensors are built on it
+(``placements`` gives where a parameter's shard lies), and ``fxshard_plan.mesh``
+is the user's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from fxshard.runtime import compat, rank_checks
+from fxshard.runtime.collectives import Replicas
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process group: its c10d name, size, this rank's index in it, and
+    the group itself (for eager collectives that take one)."""
+
+    name: str
+    size: int
+    rank: int
+    pg: Any = None
+
+    @staticmethod
+    def of(mesh: DeviceMesh, dim: int = 0) -> Group:
+        pg = mesh.get_group(dim)
+        return Group(pg.group_name, mesh.size(dim), mesh.get_local_rank(dim), pg)
+
+    @property
+    def backend(self) -> str:
+        return compat.group_backend(self.name)
+
+    @property
+    def moves_data(self) -> bool:
+        """More than one rank, and not the fake group (tracing at large world
+        sizes), which moves nothing: there is something to exchange or compare."""
+        return self.size > 1 and self.backend != "fake"
+
+
+# Side groups made so far, per shard (or replicate) process group and kind.
+_SIDE_GROUPS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+# Compiles so far per world group: every rank compiles the same models in the
+# same order, so the count names a model's keys in the store alike on every rank.
+_COMPILES: dict[str, int] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """See [Note: topology]."""
+
+    mesh: DeviceMesh  # the user's: parameters' DTensors live on it
+    device: torch.device  # this rank's device of the mesh: where its shards live
+    shard: Group
+    replicas: Replicas | None
+    world: Group
+    _shard_mesh: DeviceMesh
+    _world_mesh: DeviceMesh
+
+    @staticmethod
+    def from_mesh(mesh: DeviceMesh) -> Topology:
+        """Validate ``mesh`` (raising ``ValueError`` that names the fix) and read it."""
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+        if mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"mesh must be 1-D (shard over it) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh "
+                f"{tuple(mesh.shape)}; pass the data-parallel submesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
+            )
+        if mesh.mesh.numel() != dist.get_world_size():
+            raise ValueError(
+                f"mesh covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks; fxshard makes its side "
+                "communicators with torch.distributed.new_group, which every rank must enter, so pass a mesh over "
+                "all ranks (a 2-D (replicate, shard) mesh for HSDP)"
+            )
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise ValueError(
+                "a 2-D (HSDP) mesh needs named dimensions, replicate first: "
+                "init_device_mesh(device_type, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+            )
+        if mesh.device_type != "cpu" and torch.accelerator.is_available():
+            device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        else:
+            device = torch.device(mesh.device_type)
+        shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[1]]
+        replicas = None
+        if mesh.ndim == 2 and mesh.size(0) > 1:
+            replicas = Replicas(mesh.size(0), mesh.get_group(0).group_name)
+        world_mesh = compat.flat_mesh(mesh)
+        return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(world_mesh), shard_mesh, world_mesh)
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh parameters are sharded over (DTensor APIs take it)."""
+        return self._shard_mesh
+
+    def placements(self, sharded: bool) -> list[Placement]:
+        """A parameter's DTensor placements on ``mesh``: replicated on every
+        dimension but the shard dimension, where it is sharded on dim 0 or whole."""
+        outer: list[Placement] = [Replicate()] * (self.mesh.ndim - 1)
+        return [*outer, Shard(0) if sharded else Replicate()]
+
+    def reduce_group(self) -> str:
+        """The group the reduce-scatters run on: the shard group's ranks again,
+        on a communicator (an NCCL stream) of their own, so that they overlap
+        the all-gathers of the backward."""
+        return self.shard.name if self.shard.size == 1 else self._side_group("reduce").group_name
+
+    def count_group(self) -> str:
+        """A CPU group over the shard group's ranks, on which sharded embedding
+        lookups compare token counts without touching the device stream (see
+        [Note: sharded lookups]): the shard group itself where it is gloo, a
+        gloo group beside it otherwise, and "" for the fake group, which moves no data."""
+        if self.shard.backend == "fake":
+            return ""
+        if self.shard.backend == "gloo":
+            return self.shard.name
+        return self._side_group("count", backend="gloo").group_name
+
+    def check_groups(self) -> list[tuple[list[str], Any]]:
+        """For FXSHARD_CHECK_COLLECTIVES (see [Note: checked collectives]):
+        each group fxshard's collectives run on, with the gloo group over the
+        same ranks that compares them first. Empty where nothing moves."""
+        if not self.shard.moves_data:
+            return []
+        checked = [([self.shard.name, self.reduce_group()], self._side_group("check", backend="gloo"))]
+        if self.replicas is not None:
+            checked.append(([self.replicas.group_name], self._replica_check_group()))
+        return checked
+
+    def agreement(self, what: str = "graphs") -> rank_checks.GraphAgreement | None:
+        """What compares each graph's collectives across ranks before it first
+        runs (see [Note: ranks agree on each graph]): over every rank of the
+        mesh, replicas included, since their gradients are averaged together.
+        None where there is nothing to compare."""
+        if not self.world.moves_data:
+            return None
+        n = _COMPILES[self.world.name] = _COMPILES.get(self.world.name, -1) + 1
+        return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/{what}/{self.world.name}/{n}",
+                                          self.world.rank, self.world.size)  # fmt: skip
+
+    def _side_group(self, kind: str, backend: str | None = None) -> Any:
+        """The ``kind`` group over the ranks of this rank's shard group: the
+        one made for an earlier compile while it lives, else a new one.
+        ``new_group`` is collective over all ranks, so every rank makes the
+        side group of every replica's shard ranks, in mesh order, and keeps its own."""
+        made = _SIDE_GROUPS.setdefault(self.shard.pg, {})
+        side = made.get(kind)
+        if side is None or not compat.group_is_live(side):
+            rank = dist.get_rank()
+            for ranks in self.mesh.mesh.reshape(-1, self.mesh.mesh.shape[-1]).tolist():
+                group = dist.new_group(ranks, backend=backend)
+                if rank in ranks:
+                    side = made[kind] = group
+        return side
+
+    def _replica_check_group(self) -> Any:
+        """A gloo group over the ranks of this rank's replicate group (a
+        column of the mesh), made once per replicate group as ``_side_group`` does."""
+        made = _SIDE_GROUPS.setdefault(self.mesh.get_group(0), {})
+        side = made.get("check")
+        if side is None or not compat.group_is_live(side):
+            rank = dist.get_rank()
+            for ranks in self.mesh.mesh.reshape(self.mesh.mesh.shape[0], -1).t().tolist():
+                group = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    side = made["check"] = group
+        return side

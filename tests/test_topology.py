@@ -1,0 +1,95 @@
+"""The mesh is read once, into a Topology (see [Note: topology])."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import fxshard
+from fxshard.runtime import compat
+from fxshard.runtime.topology import Topology
+from tests import models
+from tests.conftest import _reset
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of ``n`` ranks (this process is rank 5 where it has one)."""
+
+    def init(n: int) -> None:
+        _reset()
+        dist.init_process_group("fake", store=compat.fake_store(), rank=min(5, n - 1), world_size=n)
+
+    yield init
+    _reset()
+
+
+def test_hsdp_mesh_names_each_group_once(fake_world):
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    topology = Topology.from_mesh(mesh)
+    assert (topology.shard.size, topology.shard.rank) == (4, 1)  # rank 5 is (1, 1)
+    assert topology.shard.name == mesh.get_group("shard").group_name
+    assert (topology.replicas.size, topology.replicas.group_name) == (2, mesh.get_group("replicate").group_name)
+    assert (topology.world.size, topology.world.rank) == (8, 5)
+    assert topology.placements(sharded=True) == [Replicate(), Shard(0)]
+    assert topology.placements(sharded=False) == [Replicate(), Replicate()]
+    assert not topology.shard.moves_data and topology.agreement() is None  # the fake group moves nothing
+    # Side groups: one per mesh group and kind, whatever the number of topologies read from it.
+    again = Topology.from_mesh(mesh)
+    reduce = topology.reduce_group()
+    assert again.reduce_group() == reduce != topology.shard.name
+    assert dist.get_process_group_ranks(compat.resolve_group(reduce)) == [4, 5, 6, 7]
+
+
+def test_one_replica_and_1d_meshes_have_no_replicas(fake_world):
+    fake_world(4)
+    one = Topology.from_mesh(init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard")))
+    flat = Topology.from_mesh(init_device_mesh("cpu", (4,)))
+    assert one.replicas is None and flat.replicas is None
+    assert flat.placements(sharded=True) == [Shard(0)] and flat.world.size == flat.shard.size == 4
+
+
+@pytest.mark.parametrize(
+    "shape, names, error",
+    [
+        ((2, 2, 2), ("a", "b", "c"), "got a 3-D mesh"),
+        ((2, 4), None, "needs named dimensions"),
+    ],
+)
+def test_meshes_fxshard_cannot_use_are_refused_with_the_fix(fake_world, shape, names, error):
+    fake_world(8)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with pytest.raises(ValueError, match=error):
+        fxshard.compile(models.TinyLlama(), mesh, backend="aot_eager")
+
+
+def test_the_plan_keeps_the_topology_it_was_built_on(fake_world):
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fxshard.compile(models.TinyLlama(), mesh, backend="aot_eager")
+    plan = model.fxshard_plan
+    assert plan.mesh is mesh and plan.shard_mesh.size() == 2 == plan.topology.shard.size
+    assert {(p.world_size, p.group_name, p.replicas) for p in plan.params} == {(2, plan.topology.shard.name, 2)}
+
+
+# Code that may read a DeviceMesh's layout or make process groups: the
+# topology, and params.local_rows, which reads a DTensor parameter's own spec.
+_MESH_READS = re.compile(r"\bnew_group\(|\.get_group\(|\.get_local_rank\(|\.mesh_dim_names|\._flatten\b")
+_ALLOWED = {"runtime/topology.py", "runtime/compat.py", "params.py"}
+
+
+def test_only_the_topology_reads_the_mesh():
+    root = Path(fxshard.__file__).parent
+    readers = {
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if _MESH_READS.search("\n".join(line.split("#")[0] for line in path.read_text().splitlines()))
+    }
+    assert readers <= _ALLOWED, f"read the mesh through fxshard.runtime.topology: {sorted(readers - _ALLOWED)}"
+    assert "runtime/topology.py" in readers
