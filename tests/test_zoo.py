@@ -7,7 +7,6 @@ A fixed set of seeds runs in CI. ``FXSHARD_ZOO_SEEDS`` runs more: ``200``
 (ZeRO stage, a module kept whole, frozen parameters sharded or not,
 micro-batches with or without sync; HSDP needs 4 ranks, which only a
 direct ``run_seeds`` call reaches).
-bench/scripts/zoo_survey.py runs a survey with a log per seed.
 """
 
 from __future__ import annotations
