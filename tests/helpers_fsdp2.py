@@ -172,7 +172,7 @@ def parity(
     - ``reference``: ``model`` is compiled already and this is its unsharded copy.
     - ``mp``: ``mp_policy``, emulated by the reference (see the module docstring).
     - ``none_may_be_zero``: accept a zero gradient where the reference has
-      none (README, Known limits: outputs the loss does not use give zero
+      none (docs/limits.md: outputs the loss does not use give zero
       gradients), recorded in ``zero_for_none``, and step the reference with
       that zero gradient too.
     """

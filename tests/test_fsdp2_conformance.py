@@ -12,7 +12,7 @@ concepts map as:
 - ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` -> ``fxshard.MixedPrecision``;
 - modules left to DDP (ignored parameters) -> ``fxshard.no_shard``.
 
-Where fxshard deliberately differs from FSDP2 (its README says so), the
+Where fxshard deliberately differs from FSDP2 (docs/limits.md says so), the
 scenario asserts fxshard's documented behaviour or error and says so in a
 comment. Training scenarios compare with an unsharded reference in the same
 process (tests/helpers_fsdp2.py: same losses, gradients to 1e-5 of the
@@ -110,7 +110,7 @@ def train_multi_group_keep_full(rank: int, ws: int) -> None:
 def non_root_forward_backward(rank: int, ws: int) -> None:
     # test_non_root_forward_backward: a step through the root, then one through
     # model[0] alone, called outside the root's forward (fxshard reads its
-    # weights gathered, in eager code: README, "Reading module.weight").
+    # weights gathered, in eager code: docs/api.md, "Reading module.weight").
     torch.manual_seed(42)
     model = nn.Sequential(*[_m().MLP(32) for _ in range(3)])
 
@@ -227,7 +227,7 @@ class Raiser(nn.Module):
 
 def reset_after_exception(rank: int, ws: int) -> None:
     # test_reset_iter_state_after_exception: a forward that raises leaves the
-    # model usable (README, "A call that raises"): then it trains as the reference does
+    # model usable (docs/api.md, "A call that raises"): then it trains as the reference does
     torch.manual_seed(42)
     model = ChunkedHead()
     model.body = Raiser(model.body)
@@ -258,7 +258,7 @@ def double_forward_nested_checkpoint(rank: int, ws: int) -> None:
 
     # sharded_embeddings=False: with the position table's lookups sharded, this scenario aborted a rank with
     # "malloc(): unaligned tcache chunk detected" in about 1 of 4 fresh runs on gloo (0 of 8 without them;
-    # README, Known limits: "three heap corruptions on CPU ... are unexplained"), taking every other
+    # docs/limits.md: "three heap corruptions on CPU ... are unexplained"), taking every other
     # scenario of the run down with it.
     parity(model, lambda s, i, r: (*_tokens(64, 2, 32)(s, 0, r), *_tokens(64, 2, 32)(s, 1, r)), fwd_bwd=fwd_bwd,
            units=units, sharded_embeddings=False)  # fmt: skip
@@ -320,7 +320,7 @@ def shared_params_uneven_shard(rank: int, ws: int) -> None:
 
 def shared_params_separate_units(rank: int, ws: int) -> None:
     # test_shared_params_separate_fsdp_groups_error: FSDP2 raises "already managed by another" for
-    # tied modules in separate fully_shard calls. fxshard differs (README: "tied parameters are one
+    # tied modules in separate fully_shard calls. fxshard differs (docs/api.md: "tied parameters are one
     # shard", a parameter belongs to its deepest listed unit): it trains, as the unsharded model does.
     torch.manual_seed(42)
     parity(Tied(17), _tokens(17, 2, 8), fwd_bwd=_tied_fwd_bwd(17), units=lambda m: [m.tok_embeddings, m.output])
@@ -410,7 +410,7 @@ def forward_method_not_forward(rank: int, ws: int) -> None:
 
 
 def to_dtype_after_compile(rank: int, ws: int) -> None:
-    # test_to_float64_after_init: FSDP2 converts the shards. fxshard differs (README, "API details":
+    # test_to_float64_after_init: FSDP2 converts the shards. fxshard differs (docs/api.md, "API details":
     # model.to(dtype) and .half() raise, naming the fix: convert before compile, or mp_policy).
     torch.manual_seed(42)
     model = shard(_m().MLP(4))
@@ -425,7 +425,7 @@ def to_dtype_after_compile(rank: int, ws: int) -> None:
 
 def params_stay_shards(rank: int, ws: int) -> None:
     # test_param_registration_after_forward / _after_backward: FSDP2 with reshard_after_forward=False
-    # registers plain unsharded tensors after forward. fxshard differs (README, "Parameters become
+    # registers plain unsharded tensors after forward. fxshard differs (docs/api.md, "Parameters become
     # shards"): model.parameters() are Shard(0) DTensors at every point, with the unsharded values.
     torch.manual_seed(42)
     model = nn.Sequential(_m().MLP(3), _m().MLP(3))
@@ -485,7 +485,7 @@ def _double_linear(use_second: bool) -> nn.Module:
 
 def unused_forward_output(rank: int, ws: int) -> None:
     # test_unused_forward_output: the loss uses both outputs on the first steps, then only the first.
-    # fxshard differs from FSDP2 here (README, Known limits: "Outputs the loss does not use give their
+    # fxshard differs from FSDP2 here (docs/limits.md: "Outputs the loss does not use give their
     # parameters zero gradients, not None"): lin2's gradient must be zeros where the reference's is
     # None, and the reference then steps with zeros too.
     def fwd_bwd(m: nn.Module, batch: tuple) -> torch.Tensor:
@@ -697,7 +697,7 @@ def frozen_after_compile(rank: int, ws: int) -> None:
 
 def frozen_across_units_no_grad_unfreeze(rank: int, ws: int) -> None:
     # test_train_mixed_requires_grad_across_groups (unfreeze_params=True): every other linear frozen,
-    # a no_grad step, then the frozen linears trained on the last step (fxshard recompiles; README,
+    # a no_grad step, then the frozen linears trained on the last step (fxshard recompiles; docs/api.md,
     # "Frozen parameters")
     torch.manual_seed(42)
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(32, 32), nn.ReLU())])
@@ -847,7 +847,7 @@ class ExternalInputModel(nn.Module):
 
 def mp_cast_forward_inputs(rank: int, ws: int) -> None:
     # test_submodules_with_external_inputs / test_float16_on_one_submodule: the root's floating inputs
-    # are cast to param_dtype. fxshard has one policy for the whole model (README, "Mixed precision":
+    # are cast to param_dtype. fxshard has one policy for the whole model (docs/strategies.md, "Mixed precision":
     # the inputs of the model's call are cast), so a tensor made inside the forward stays fp32, as in
     # FSDP2 with the submodule's cast_forward_inputs=False.
     model = shard(ExternalInputModel(), mp_policy=fxshard.MixedPrecision(torch.bfloat16))
@@ -992,7 +992,7 @@ def state_dict_aliases_through_training(rank: int, ws: int) -> None:
     model = shard(nn.Linear(3, 3, bias=False), reshard_after_forward=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = model.state_dict()
-    weight = model.get_parameter("weight")  # model.weight is the gathered value (README)
+    weight = model.get_parameter("weight")  # model.weight is the gathered value (docs/api.md)
     inp = torch.rand(3, 3, generator=gen(0, rank))
     for step in range(5):
         opt.zero_grad()
@@ -1054,7 +1054,7 @@ def full_state_dict_round_trip(rank: int, ws: int) -> None:
 
 def meta_init_load_sharded_state_dict(rank: int, ws: int) -> None:
     # test_rank0_broadcast_meta_device_init: a meta-device model, compiled, loads rank 0's full state
-    # dict sharded with distribute_tensor. FSDP2 loads it with assign=True; fxshard differs (README,
+    # dict sharded with distribute_tensor. FSDP2 loads it with assign=True; fxshard differs (docs/api.md,
     # "Checkpoints": assign=True is not supported, and raises): it loads without assign after
     # to_empty, then trains as the unsharded model does.
     with torch.device("meta"):
@@ -1081,7 +1081,7 @@ def meta_init_load_sharded_state_dict(rank: int, ws: int) -> None:
 def load_state_dict_pieces_strict_false(rank: int, ws: int) -> None:
     # test_dp_state_dict_cpu_offload (without CPU offload, which fxshard does not have): a meta-device
     # model loads a full state dict one key at a time with strict=False. FSDP2 loads with assign=True;
-    # fxshard raises for it (README, "Checkpoints") and copies without it.
+    # fxshard raises for it (docs/checkpoints.md) and copies without it.
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     shard(model, units=list(model))
@@ -1178,7 +1178,7 @@ class A(nn.Module):
 def ignored_params_as_no_shard(rank: int, ws: int) -> None:
     # test_ddp_A_fsdp_B_ddp_C: module_b sharded, module_c ignored by FSDP2 and left to DDP with A's own
     # parameter. fxshard has no ignored parameters; fxshard.no_shard keeps them whole and all-reduces
-    # their gradients (README, "No-shard"), which is FSDP2's ignore plus DDP. The same input on every
+    # their gradients (docs/strategies.md, "No-shard"), which is FSDP2's ignore plus DDP. The same input on every
     # rank, as in FSDP2's test.
     torch.manual_seed(42)
 
@@ -1236,7 +1236,7 @@ class WithScalar(nn.Module):
 
 def scalar_parameter(rank: int, ws: int) -> None:
     # test_raise_scalar_parameter: FSDP2 raises ("Change scalar_p to a 1D tensor"). fxshard differs
-    # (README, "No-shard": 0-dimensional parameters are always replicated): it trains.
+    # (docs/strategies.md, "No-shard": 0-dimensional parameters are always replicated): it trains.
     torch.manual_seed(42)
     result = parity(WithScalar(), _vec(4, 3), steps=2)
     assert result.model.get_parameter("scalar_p").placements == (Replicate(),)
@@ -1244,7 +1244,7 @@ def scalar_parameter(rank: int, ws: int) -> None:
 
 def noncontiguous_parameter(rank: int, ws: int) -> None:
     # test_raise_noncontiguous_parameter: FSDP2 raises NotImplementedError for a channels_last conv
-    # weight. fxshard's README says nothing of it: it must train as the unsharded model does.
+    # weight. fxshard's docs say nothing of it: it must train as the unsharded model does.
     torch.manual_seed(42)
     conv = nn.Sequential(nn.Conv2d(8, 8, 3)).to(memory_format=torch.channels_last)
     parity(conv, _vec(2, 8, 6, 6), steps=2)
@@ -1299,7 +1299,7 @@ def _meta_device_init(cases: tuple[tuple[int, fxshard.MixedPrecision, bool], ...
 def meta_device_init(rank: int, ws: int) -> None:
     # test_meta_device_1d_init (MixedPrecisionPolicy()): even (8), uneven (3) and empty (1) local
     # shards: build on meta, compile, to_empty, fill a constant, reset_parameters(): every value is
-    # set again, and the full weights equal the unsharded model's with the same seed (README,
+    # set again, and the full weights equal the unsharded model's with the same seed (docs/api.md,
     # "Meta-device init"); then a training step runs
     _meta_device_init(((8, fxshard.MixedPrecision(), False), (3, fxshard.MixedPrecision(), True),
                        (1, fxshard.MixedPrecision(), True)))  # fmt: skip
@@ -1337,7 +1337,7 @@ class WeightNorm(nn.Module):
 
 def replace_parameter_after_compile(rank: int, ws: int) -> None:
     # test_reset_sharded_param_in_lazy_init: FSDP2 lets init assign a new nn.Parameter after
-    # fully_shard. fxshard differs (README, "API details": assigning another parameter after compile
+    # fully_shard. fxshard differs (docs/api.md, "API details": assigning another parameter after compile
     # raises, naming the fix); the fix (copy_ into it) trains as the unsharded model does.
     with torch.device("meta"):
         model = WeightNorm()
@@ -1398,7 +1398,7 @@ def mixed_dtype_frozen_params(rank: int, ws: int) -> None:
 
 
 def read_full_weights_before_first_call(rank: int, ws: int) -> None:
-    # test_unshard_without_lazy_init: module.weight before any call is the full parameter (README:
+    # test_unshard_without_lazy_init: module.weight before any call is the full parameter (docs/api.md:
     # reading module.weight gives the full, gathered value)
     torch.manual_seed(42)
     model = _m().MLP(4)
@@ -1495,7 +1495,7 @@ def train_eval_switch(rank: int, ws: int) -> None:
 
 
 def eval_first_call_then_train(rank: int, ws: int) -> None:
-    # README, Known limits: "A graph break after the first call is an error (NotImplementedError;
+    # docs/limits.md: "A graph break after the first call is an error (NotImplementedError;
     # ... model.train() after an eval() first call)": a model whose first call is in eval mode and
     # whose train-mode forward differs (here: no graph break) must either train correctly or raise
     # that error; it must not give a wrong result
@@ -1666,7 +1666,7 @@ OTHER_WORLDS = {
     4: ["hsdp_train_parity", *sorted(FOUR_RANKS), "train_single_group_uneven", "meta_device_init"],
 }  # fmt: skip
 # Scenarios that fail on fxshard today: name -> what fails (each also in this file's report).
-# Deliberate differences from FSDP2 (the README's limits say so): fxshard's units
+# Deliberate differences from FSDP2 (docs/limits.md says so): fxshard's units
 # are gather groups, not module boundaries, so MixedPrecision casts the root
 # call's inputs only. Torch raises on the dtype mismatch; nothing is silent.
 XFAIL: dict[str, str] = {
