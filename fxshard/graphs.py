@@ -39,7 +39,6 @@ from liveness and predicts the step's peak (``CapturedStep.memory``).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import functools
@@ -54,11 +53,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from fxshard.passes.memory import step_transient
-from fxshard.runtime import compat
+from fxshard.runtime import compat, process
 from fxshard.sharding import CALLED_ROOTS
 
 log = logging.getLogger("fxshard")
@@ -235,7 +233,7 @@ class CapturedStep:
             raise
         self._graph, self._pool, self._out = graph, pool, out
         self._freeze(models, optimizers)
-        compat.call_before_destroy(reset_all)
+        process.before_destroy(reset_all)
         measured = torch.cuda.max_memory_allocated()
         self.memory = StepMemory(persistent, _predicted_peak(models, persistent), measured,
                                  compat.pool_reserved_bytes(pool))  # fmt: skip
@@ -401,7 +399,7 @@ def reset_all() -> None:
         step.reset()
 
 
-atexit.register(reset_all)
+process.at_exit(reset_all)
 
 
 @contextlib.contextmanager
@@ -410,11 +408,10 @@ def _recording() -> Iterator[tuple[list[nn.Module], list[torch.optim.Optimizer]]
     models: list[nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
     token = CALLED_ROOTS.set(models)
-    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: optimizers.append(opt))
     try:
-        yield models, optimizers
+        with process.before_each_step(lambda opt, args, kwargs: optimizers.append(opt)):
+            yield models, optimizers
     finally:
-        handle.remove()
         CALLED_ROOTS.reset(token)
 
 

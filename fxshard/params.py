@@ -58,45 +58,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from fxshard.runtime import compat
+from fxshard.runtime import compat, process
 from fxshard.runtime.collectives import Replicas, shard_range
+from fxshard.runtime.process import StepHook
 
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
-
-
-class _OptimizerHook:
-    """One of torch's process-wide optimizer step hooks, held by the objects
-    that need it: registered while one of them lives, removed once the last
-    is gone. torch offers no per-parameter step hook, and the optimizer is
-    built after ``fxshard.compile``, so a model cannot register on it."""
-
-    def __init__(self, register: Callable[[Callable], Any], hook: Callable) -> None:
-        self.register, self.hook = register, hook
-        self.handle: Any = None
-        # By id (holders may be tensors, whose == is elementwise), while each lives.
-        self.holders: dict[int, weakref.ref] = {}
-
-    @property
-    def count(self) -> int:
-        return len(self.holders)
-
-    def hold(self, holder: object) -> None:
-        key = id(holder)
-        held = self.holders.get(key)
-        if held is not None and held() is holder:
-            return
-        self.holders[key] = weakref.ref(holder, lambda ref, key=key: self._release(key, ref))
-        if self.handle is None:
-            self.handle = self.register(self.hook)
-
-    def _release(self, key: int, ref: weakref.ref) -> None:
-        if self.holders.get(key) is ref:
-            del self.holders[key]
-        if not self.holders and self.handle is not None:
-            self.handle.remove()
-            self.handle = None
 
 
 def count_optimizer_steps(holder: object) -> None:
@@ -114,7 +81,7 @@ def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 p.optimizer_steps += 1
 
 
-_STEP_COUNT = _OptimizerHook(register_optimizer_step_post_hook, _count_steps)
+_STEP_COUNT = StepHook.after_step(_count_steps)
 
 
 class Source:
@@ -426,7 +393,7 @@ class ShardParameter(DTensor):
         copy_rows(full, self, compat.local_tensor(self))
 
 
-compat.register_foreach_type(ShardParameter)
+process.foreach_type(ShardParameter)
 
 
 def copy_rows(full: torch.Tensor, like: DTensor, into: torch.Tensor) -> None:
@@ -540,7 +507,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 )
 
 
-_STEP_CHECK = _OptimizerHook(register_optimizer_step_pre_hook, _check_optimizer)
+_STEP_CHECK = StepHook.before_step(_check_optimizer)
 
 
 def apply_to_shards(

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -76,20 +73,3 @@ def test_the_plan_keeps_the_topology_it_was_built_on(fake_world):
     plan = model.fxshard_plan
     assert plan.mesh is mesh and plan.shard_mesh.size() == 2 == plan.topology.shard.size
     assert {(p.world_size, p.group_name, p.replicas) for p in plan.params} == {(2, plan.topology.shard.name, 2)}
-
-
-# Code that may read a DeviceMesh's layout or make process groups: the
-# topology, and params.local_rows, which reads a DTensor parameter's own spec.
-_MESH_READS = re.compile(r"\bnew_group\(|\.get_group\(|\.get_local_rank\(|\.mesh_dim_names|\._flatten\b")
-_ALLOWED = {"runtime/topology.py", "runtime/compat.py", "params.py"}
-
-
-def test_only_the_topology_reads_the_mesh():
-    root = Path(fxshard.__file__).parent
-    readers = {
-        str(path.relative_to(root))
-        for path in root.rglob("*.py")
-        if _MESH_READS.search("\n".join(line.split("#")[0] for line in path.read_text().splitlines()))
-    }
-    assert readers <= _ALLOWED, f"read the mesh through fxshard.runtime.topology: {sorted(readers - _ALLOWED)}"
-    assert "runtime/topology.py" in readers

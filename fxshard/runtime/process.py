@@ -1,0 +1,103 @@
+"""Every effect fxshard has on the process beyond the models it makes.
+
+[Note: process-wide effects]
+torch offers no per-model way to do the four things below, so each is done
+through this module and nowhere else (``tests/test_layout.py`` checks it):
+- **Optimizer step hooks** (``StepHook``): torch has no per-parameter step
+  hook, and the optimizer is built after ``fxshard.compile``, so a model
+  cannot register on it. Each hook is registered while an object that needs
+  it lives (a model's state, a shard, ZeRO-1's copies) and removed with the
+  last one (``fxshard/params.py``: the step count and the pre-step check).
+  A captured step also records, for the length of its warm-up
+  (``before_each_step``), which optimizers step.
+- **The foreach type** (``foreach_type``): torch's optimizers and
+  ``clip_grad_norm_`` take their foreach paths only for exact types in a
+  private registry, where DTensor registers itself. fxshard's shards are a
+  DTensor subclass, so it registers that class once, for the process: it is
+  a type, not an object, and a registered type changes nothing for others.
+- **A reset at exit and before ``destroy_process_group``** (``at_exit``,
+  ``before_destroy``) of every captured CUDA graph: NCCL hangs destroying a
+  communicator that a live graph still uses, and the interpreter's exit
+  destroys them in no fixed order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from fxshard.runtime import compat
+
+
+class StepHook:
+    """One of torch's process-wide optimizer step hooks, held by the objects
+    that need it: registered while one of them lives, removed once the last
+    is gone (see [Note: process-wide effects])."""
+
+    def __init__(self, register: Callable[[Callable], Any], hook: Callable) -> None:
+        self.register, self.hook = register, hook
+        self.handle: Any = None
+        # By id (holders may be tensors, whose == is elementwise), while each lives.
+        self.holders: dict[int, weakref.ref] = {}
+
+    @staticmethod
+    def before_step(hook: Callable) -> StepHook:
+        """``hook(optimizer, args, kwargs)`` before every optimizer step."""
+        return StepHook(register_optimizer_step_pre_hook, hook)
+
+    @staticmethod
+    def after_step(hook: Callable) -> StepHook:
+        """``hook(optimizer, args, kwargs)`` after every optimizer step."""
+        return StepHook(register_optimizer_step_post_hook, hook)
+
+    @property
+    def count(self) -> int:
+        return len(self.holders)
+
+    def hold(self, holder: object) -> None:
+        key = id(holder)
+        held = self.holders.get(key)
+        if held is not None and held() is holder:
+            return
+        self.holders[key] = weakref.ref(holder, lambda ref, key=key: self._release(key, ref))
+        if self.handle is None:
+            self.handle = self.register(self.hook)
+
+    def _release(self, key: int, ref: weakref.ref) -> None:
+        if self.holders.get(key) is ref:
+            del self.holders[key]
+        if not self.holders and self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+@contextlib.contextmanager
+def before_each_step(hook: Callable) -> Iterator[None]:
+    """``hook(optimizer, args, kwargs)`` before every optimizer step inside the block."""
+    handle = register_optimizer_step_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def foreach_type(cls: type) -> None:
+    """Let torch's foreach optimizer and utility paths take ``cls`` as they
+    take DTensor (see [Note: process-wide effects])."""
+    compat.register_foreach_type(cls)
+
+
+def at_exit(fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the interpreter exits."""
+    atexit.register(fn)
+
+
+def before_destroy(fn: Callable[[], None]) -> bool:
+    """Have ``destroy_process_group()`` call ``fn`` first (once per default
+    group; call again after each init). False where torch has no such point."""
+    return compat.call_before_destroy(fn)

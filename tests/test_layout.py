@@ -1,0 +1,55 @@
+"""How the source is laid out: rules that a change could break silently.
+
+Each check reads fxshard's source files (comments stripped), so it costs no
+compile and fails on the line that breaks the rule.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import fxshard
+
+ROOT = Path(fxshard.__file__).parent
+
+
+def _code(path: Path) -> str:
+    return "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+
+
+def _files_matching(pattern: str) -> set[str]:
+    regex = re.compile(pattern)
+    return {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if regex.search(_code(p))}
+
+
+def test_only_the_topology_reads_the_mesh():
+    """See [Note: topology]. ``params.local_rows`` reads a DTensor
+    parameter's own spec, and compat wraps the private flatten."""
+    readers = _files_matching(r"\bnew_group\(|\.get_group\(|\.get_local_rank\(|\.mesh_dim_names|\._flatten\b")
+    allowed = {"runtime/topology.py", "runtime/compat.py", "params.py"}
+    assert readers <= allowed, f"read the mesh through fxshard.runtime.topology: {sorted(readers - allowed)}"
+    assert "runtime/topology.py" in readers
+
+
+def test_process_wide_effects_have_one_home():
+    """See [Note: process-wide effects]: optimizer step hooks, the foreach
+    type registry, exit and before-destroy hooks go through runtime/process.py."""
+    pattern = r"register_optimizer_step_\w+_hook|atexit\.register|register_foreach_type\(|call_before_destroy\("
+    doers = _files_matching(pattern)
+    assert doers <= {"runtime/process.py", "runtime/compat.py"}, sorted(doers)
+    assert "runtime/process.py" in doers
+
+
+def test_layers_import_downward():
+    """API -> passes -> runtime: the runtime imports neither the passes nor
+    the API, and the passes do not import the API."""
+    imports = re.compile(r"^\s*(?:from|import)\s+fxshard(?:\.(\w+))?", re.M)
+    for path in ROOT.rglob("*.py"):
+        layer = path.relative_to(ROOT).parts[0] if len(path.relative_to(ROOT).parts) > 1 else "api"
+        targets = {m or "api" for m in imports.findall(path.read_text())}
+        targets = {t if t in ("passes", "runtime") else "api" for t in targets}
+        if layer == "runtime":
+            assert targets <= {"runtime"}, f"{path.relative_to(ROOT)} imports {targets}"
+        elif layer == "passes":
+            assert targets <= {"runtime", "passes"}, f"{path.relative_to(ROOT)} imports {targets}"
