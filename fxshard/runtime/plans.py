@@ -3,6 +3,41 @@
 ``fxshard.compile`` builds one ``ParamPlan`` per distinct parameter
 (``fxshard/plan.py``); sharding registers them here as one ``PlanTable``.
 
+[Note: vocabulary]
+fxshard's code and docs use these words in these meanings only:
+- **topology**: the user's mesh, read once: the shard group, HSDP's
+  replicas, every rank, this rank's place in each (see [Note: topology]).
+- **plan**: what ``fxshard.compile`` decided for one parameter
+  (``ParamPlan``: placement, gradient reduce, lifetime, dtypes, group),
+  and for one model (the ``PlanTable`` of its parameters' plans, and
+  ``model.fxshard_plan``). Decided once, before anything is sharded; read,
+  never changed.
+- **shard**: the rows of a parameter that this rank holds, a ``Shard(0)``
+  DTensor registered as the parameter (``ShardParameter``); a replicated
+  parameter's shard is the whole tensor. Optimizers and checkpoints see
+  shards.
+- **gathered value**: a parameter's full value, all-gathered from its
+  shards (in the compute dtype) for a read: the output of an
+  ``fxshard::unshard`` marker in a graph, a ``GatheredParameter`` when
+  eager code reads ``module.weight``. Writes to it land in the shard (see
+  [Note: writes to gathered parameters]).
+- **lifetime**: how long a gathered value lives (``Lifetime``): until its
+  last use, gathered again for backward (ZeRO-3); until backward (ZeRO-2);
+  always (replicated parameters and ZeRO-1's full copies).
+- **unit**: sharded parameters gathered by one all-gather and reduced by one
+  reduce-scatter, over one flat buffer of per-rank slots, formed in order of
+  first use up to ``unit_mb`` or as listed by ``units=`` (see [Note: units
+  and flat shards]). Not a module boundary: a layer is never split between
+  units, but a unit may hold several layers.
+- **block**: a layer (``layers.<i>``) compiled once as a body that every
+  alike layer calls (see [Note: outlined blocks]).
+- **reduce**: what a gradient goes through to reach its shard's ``.grad``,
+  averaged over the mesh: a reduce-scatter (sharded), an all-reduce
+  (replicated), then, under HSDP, an average across replicas.
+- **phase**: one root call's treatment of gradients, chosen per call: SYNC
+  (reduce), ACCUMULATE (keep unreduced), FLUSH (reduce with what was kept)
+  (see [Note: accumulation without sync]).
+
 [Note: markers name the plan]
 A marker op in a graph (``fxshard::unshard`` and its kin) carries two
 integers: the table's id and the parameter's index in it. Passes and the
