@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.runtime import compat
+from fxshard.runtime.compat import tracing
 
 
 def test_invoke_subgraph_schemas_are_built_once_per_body(monkeypatch):
@@ -21,7 +22,7 @@ def test_invoke_subgraph_schemas_are_built_once_per_body(monkeypatch):
             traced.append(identifier)
             return f"schema of {identifier} {len(operands)}"
 
-    monkeypatch.setattr(compat, "_torch_caches_subgraph_schemas", lambda: False)
+    monkeypatch.setattr(tracing, "_torch_caches_subgraph_schemas", lambda: False)
     hop, body, other = Hop(), fx.GraphModule({}, fx.Graph()), fx.GraphModule({}, fx.Graph())
     x, y = torch.ones(2, 3), torch.ones(2, 3, requires_grad=True)
     original = Hop.gen_schema
@@ -45,7 +46,7 @@ def test_invoke_subgraph_schemas_left_to_torch_where_it_caches(monkeypatch):
         def gen_schema(self, subgraph, identifier, *operands):
             return None
 
-    monkeypatch.setattr(compat, "_torch_caches_subgraph_schemas", lambda: True)
+    monkeypatch.setattr(tracing, "_torch_caches_subgraph_schemas", lambda: True)
     before = Hop.gen_schema
     with compat.subgraph_schemas_cached(Hop()):
         assert Hop.gen_schema is before

@@ -3,7 +3,7 @@ as over plain DTensors: the same ops, counted, for one step.
 
 torch chooses foreach, fused or per-parameter implementations by the exact
 type of each tensor (see [Note: shards take torch's foreach paths] in
-fxshard/runtime/compat.py). When the shards became a DTensor subclass, the
+fxshard/runtime/compat/tensors.py). When the shards became a DTensor subclass, the
 default ``AdamW`` silently fell to its per-parameter loop (about 1,000 more
 kernels per step on a 375M model, 1.4x to 1.7x slower); no test saw it,
 because a time is noise in CI. An op count is not: the per-parameter loop
