@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+
 import torch
 import torch.fx as fx
 
@@ -148,3 +152,26 @@ def test_a_backward_that_raises_does_not_silence_later_ones():
     except RuntimeError:
         pass
     assert not compat.in_backward() and at_end.abandoned() and not at_end.abandoned()
+
+
+# What a compat module imports for its own annotations, never for callers.
+_ANNOTATION_MODULES = ("__future__", "typing", "collections.abc")
+
+
+def _public_names(module) -> set[str]:
+    return {name for name, value in vars(module).items()
+            if not name.startswith("_") and not inspect.ismodule(value)
+            and getattr(value, "__module__", None) not in _ANNOTATION_MODULES}  # fmt: skip
+
+
+def test_all_names_exactly_the_public_names_of_its_modules():
+    """Each compat module's ``__all__`` is exactly the public names it
+    defines or imports for callers, and ``compat.__all__`` is all of them,
+    each once: a public name added to a module without listing it, a module
+    not re-exported, or a name listed after it is gone fails here."""
+    modules = [importlib.import_module(f"{compat.__name__}.{m.name}") for m in pkgutil.iter_modules(compat.__path__)]
+    listed = [name for module in modules for name in module.__all__]
+    assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
+    assert sorted(compat.__all__) == sorted(listed)
+    for module in [compat, *modules]:
+        assert _public_names(module) == set(module.__all__), module.__name__
