@@ -84,7 +84,6 @@ def graph_break_reason(error: BaseException) -> str:
 
 
 @functools.cache
-@functools.cache
 def _dynamo_debug_keys() -> tuple[str | None, str | None]:
     """The dynamo config keys that make logging calls no-ops and prints
     reorderable, where this torch has them (``ignore_logger_methods`` was
