@@ -174,7 +174,7 @@ class CapturedStep:
         last = self.calls == self.warmup - 1
         # Blocks cached on other streams (the model's build on the default
         # stream, say) are never reused on the capture stream: without this,
-        # a warm-up on it reserved 1.23x what a plain step does (1B, H200).
+        # a warm-up on it reserved more memory than a plain step does.
         torch.cuda.empty_cache()
         stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -452,9 +452,8 @@ class _Held:
 
     ``same()`` runs before every replay, while the GPU waits when the caller
     reads the loss each step, so it compares whole lists with C-level
-    ``map`` rather than a Python loop per parameter (219 parameters with
-    AdamW: about 0.4 ms as a loop on a CPU core, 1.2 ms of host time per
-    replay on an H200's host)."""
+    ``map`` rather than a Python loop per parameter (whose host time grows
+    with the parameters and optimizer states, and delays every replay)."""
 
     def __init__(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         entries = [(module._parameters, name, p) for model in models for module in model.modules()

@@ -182,8 +182,8 @@ class _ToLocal(torch.autograd.Function):
         ctx.metas = param_writes.dtensor_metas(params)
         # A fresh view of each local tensor (an output must not be an input's
         # own tensor). Reading it directly, not through ``to_local`` (an
-        # autograd function per call), saves ~10 us a parameter on every
-        # step, and the step's first kernel waits for this loop.
+        # autograd function per call), saves an autograd call per parameter
+        # on every step, and the step's first kernel waits for this loop.
         locals_ = [compat.local_tensor(p) for p in params]
         return tuple(t.view_as(t) for t in locals_)
 
@@ -529,8 +529,8 @@ def _root_methods(base: type) -> dict[str, object]:
     the globals of the frame it compiled (``__compiled_fn_<n>``), and keeps
     its cache on the code object: a ``forward`` that every root shared, with
     this module's globals, kept every compiled model, its shards and its
-    units alive for the life of the process (8 GiB per 8B model on 4 ranks),
-    ``torch._dynamo.reset()`` or not. The copy's globals die with the class.
+    units alive for the life of the process, ``torch._dynamo.reset()`` or
+    not. The copy's globals die with the class.
 
     The class holds nothing of the model's: caches keep classes (Python's
     ``inspect`` memoizes lookups by class), so the root's state, which holds

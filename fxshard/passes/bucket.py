@@ -12,8 +12,8 @@ In a forward, backward or inference graph:
   by recompute]; with ``reshard_after_forward=False``, every unit), the
   one-dimensional members (norm weights, biases), smallest first and up to
   1/16 of the unit in all, read a copy instead: a saved view of the final norm's weight
-  (8 KiB) kept the whole gathered output projection (1 GiB on the 8B
-  benchmark) alive until the norm's gradient, which came after that unit's
+  (a few KiB) kept the whole gathered output projection (one of the largest
+  weights) alive until the norm's gradient, which came after that unit's
   reduce input was built, at the backward's peak. Inductor keeps the copy
   while another view of the unit is saved (``remove_noop_ops``), which is
   the case that pins.

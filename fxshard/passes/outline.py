@@ -3,11 +3,11 @@
 [Note: outlined blocks]
 A 32-layer model traces into one graph with 32 copies of the same block, and
 AOTAutograd and Inductor then trace, partition, lower and generate code for
-every copy: most of an 8B model's first step. ``outline_blocks`` replaces
-each block's nodes in the captured graph by one call of torch's
-``invoke_subgraph`` higher-order op on a shared body, so that AOTAutograd
-traces and partitions the body once and Inductor compiles it once; the
-calls take the layer's gathered weights as inputs.
+every copy: a first-step compile time that grows with depth.
+``outline_blocks`` replaces each block's nodes in the captured graph by one
+call of torch's ``invoke_subgraph`` higher-order op on a shared body, so
+that AOTAutograd traces and partitions the body once and Inductor compiles
+it once; the calls take the layer's gathered weights as inputs.
 
 - A block is the nodes of one child of a module list (``layers.<i>``, from
   the nodes' ``nn_module_stack``), the unshard (and replicated read) markers excepted: those stay in

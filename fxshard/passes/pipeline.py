@@ -344,9 +344,9 @@ class FXShardBackend:
 # [Note: gloo gathers in place]
 # On gloo (CPU runs and the tests) every gather waits where it is issued:
 # with gathers in flight beside compute, a 3-layer Transformer with
-# activation checkpointing aborted with "malloc(): unaligned tcache chunk
-# detected" or a segfault in 3 to 6 of 30 runs at 2 ranks, under Inductor
-# and aot_eager, and in none with prefetch=0. gloo's coalesced all-gather
+# activation checkpointing aborted intermittently with "malloc(): unaligned
+# tcache chunk detected" or a segfault at 2 ranks, under Inductor and
+# aot_eager, and not with prefetch=0. gloo's coalesced all-gather
 # corrupted the heap the same way (compat.all_gather_coalesced_async). The
 # writer is in gloo or torch, not found; NCCL keeps the prefetch.
 

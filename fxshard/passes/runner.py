@@ -66,8 +66,8 @@ def run_passes(
     """Apply ``passes`` in order to the ``phase`` graph (forward, backward...);
     return the graph and the records of the passes that returned one.
     Passes edit ``gm.graph``; its Python code is regenerated once, at the end
-    (and before each dump), not after every pass: for a 16-layer Llama's
-    forward and backward, eight ``recompile`` calls took 3 s (CPU, profiled)."""
+    (and before each dump), not after every pass: ``recompile`` generates
+    and compiles the whole graph's code, a cost each extra call repeats."""
     records: dict[str, Any] = {}
     for index, graph_pass in enumerate(passes):
         if graph_pass.name in disabled:  # FXSHARD_DISABLE_PASSES, read by fxshard.compile

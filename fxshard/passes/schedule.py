@@ -27,8 +27,8 @@ gather. This pass moves collectives, never compute:
   are alive at once, since the wait frees its input before the next one is
   allocated (a reduce that sends a gradient as it is, with no cast or pad,
   has no input of its own). Placed just before the later reduce-scatter
-  itself, one more was alive: on the 8B benchmark that is 0.9 GiB of fp32
-  per unit. A replicated parameter's gradient all-reduce is deferred the
+  itself, one more was alive: another unit's gradients in the reduce
+  dtype. A replicated parameter's gradient all-reduce is deferred the
   same way, and counts as a reduce.
 - HSDP averages across replicas (see [Note: HSDP]). A unit's average starts
   in the op that waits for its reduce-scatter, and a per-parameter one

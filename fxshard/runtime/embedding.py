@@ -19,8 +19,8 @@ embedding that is the weight's only reader, with default options) by
   the world size (the average the reduce-scatter takes elsewhere).
 
 The collectives are ``world_size * tokens * dim`` elements: 64 MiB in bf16
-for 2048 tokens of dim 4096 on 4 ranks, against 1 GiB gathered and 2 GiB
-reduced for the 8B benchmark's table.
+for 2048 tokens of dim 4096 on 4 ranks, against 1 GiB gathered (bf16) and
+2 GiB reduced (fp32) for a table of 128k such rows.
 
 Ranks must look up the same number of tokens, because NCCL collectives move
 equal sizes. Each call first compares the counts on a CPU (gloo) group, an

@@ -51,8 +51,8 @@ on every rank:
   then all-reduced across the replicas in place before the cast (see
   [Note: HSDP] in ``collectives.py``). The graph builds that input itself (cast,
   pad, view, one ``cat``; ``bucket_collectives``), so Inductor fuses the cast
-  into the copies: one pass over the gradients, which measured faster than
-  torch's ``_chunk_cat`` on an H100.
+  into the copies: one pass over the gradients, which moves them faster
+  than torch's ``_chunk_cat``.
 - A graph that reads only some members still gathers the whole unit (from
   the members' current local shards); a backward reduces only the members
   whose gradients it computes.
@@ -70,11 +70,10 @@ Where the buffers live (communication has none of its own):
   tensors, allocated by the start and returned by the wait: they are what
   the compute reads (the full parameters) and what the optimizer reads (the
   gradients), so they belong to the graph. Keeping them in a preallocated
-  arena would cost a copy out of it for every gather and reduce, because a
-  graph value that aliases memory Inductor does not own is unsafe (Inductor
-  may reuse a dead input's buffer in place for a later value). On the 8B
-  benchmark that copy-out was 28 ms of a 320 ms step, and the divide 4 ms.
-  The outputs are the sizes the liveness estimate already counts
+  arena would cost a copy out of it for every gather and reduce, on every
+  step, because a graph value that aliases memory Inductor does not own is
+  unsafe (Inductor may reuse a dead input's buffer in place for a later
+  value). The outputs are the sizes the liveness estimate already counts
   (``passes/memory.py``), and under CUDA-graph capture they come from the
   graph's private pool at fixed addresses, laid out by the static buffer
   plan (see [Note: static buffer plan] in ``passes/buffers.py``).
@@ -371,9 +370,9 @@ class Units:
         only; None elsewhere). The caller forks it from the current stream, so
         the cast of a prefetched unit runs beside the compute it was issued
         before, not ahead of it. The collective follows the cast on that
-        stream, and its wait joins the current stream again. On the 8B
-        benchmark the casts on the compute stream took about 6 ms of the step
-        (both gathers of every unit)."""
+        stream, and its wait joins the current stream again. On the compute
+        stream, the casts of both gathers of every unit would add their whole
+        time to the step."""
         if device.type != "cuda":
             return None
         if self._stream is None:

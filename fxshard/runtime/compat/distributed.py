@@ -88,8 +88,8 @@ def all_gather_coalesced_async(outs: list[torch.Tensor], inps: list[torch.Tensor
     ``coalesce`` (NCCL) it is one coalesced collective, one group launch
     (``ProcessGroup`` has had ``allgather_into_tensor_coalesced`` since torch
     2.1). Without, one all-gather each: gloo's coalesced all-gather corrupted
-    the heap here (torch 2.13, two ranks, several in flight: 3 crashes in 10
-    runs of the example, none in 12 with one all-gather each)."""
+    the heap here, intermittently (torch 2.13, two ranks, several in flight),
+    and one all-gather each did not."""
     if coalesce:
         return group.allgather_into_tensor_coalesced(outs, inps)
     return _AllWork([all_gather_async(o, i, group) for o, i in zip(outs, inps)])

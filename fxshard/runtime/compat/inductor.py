@@ -51,7 +51,7 @@ def compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: An
 # A body's backward then writes its output into an input the outer graph
 # still owns, and the outer graph, which cannot know, reuses that buffer
 # while the output is alive: an ``nn.Sequential`` whose two ReLUs became one
-# body got gradients off by 7e-2 (tests/test_compat.py). A body cannot know
+# body got wrong gradients (tests/test_compat.py). A body cannot know
 # which of its inputs the caller may give up, so its inputs donate nothing;
 # the outer graph's donations stay as they are. Later torch clears the
 # indices itself (pytorch#193960), where this does nothing.

@@ -46,11 +46,12 @@ def mark_parameter(tensor: torch.Tensor) -> None:
 # only where ``type(p)`` is in ``torch.optim.optimizer._foreach_supported_types``
 # (and ``torch.utils._foreach_utils``' list for gradients), a registry that
 # DTensor joins at import. A DTensor subclass that is not registered falls to
-# the per-parameter loop: the default ``AdamW`` issued ~1,000 more kernels per
-# step on a 375M model. torch offers no other way to opt in, so a shard type
-# registers itself the way DTensor does; only instances of that type are
-# affected. tests/test_optimizer_paths.py counts the ops of one step against
-# plain DTensors.
+# the per-parameter loop: the default ``AdamW`` then launches each of its
+# kernels once per parameter instead of once over all of them. torch offers
+# no other way to opt in, so a shard type registers itself the way DTensor
+# does; only instances of that type are affected.
+# tests/test_optimizer_paths.py counts the ops of one step against plain
+# DTensors.
 _FOREACH_TYPE_REGISTRIES = (("torch.optim.optimizer", "_foreach_supported_types"),
                             ("torch.utils._foreach_utils", "_foreach_supported_types"))  # fmt: skip
 

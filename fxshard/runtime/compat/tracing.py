@@ -45,13 +45,13 @@ def subgraph_schemas_cached(op: Any = None) -> Iterator[None]:
     """Before torch 2.12 (no ``get_functionalize_schema_entry`` on the
     invoke_subgraph cache), every call of ``invoke_subgraph`` traces its body
     again to build the op's schema, once under functionalization and once
-    under autograd: AOTAutograd's joint trace of 32 outlined 8B layers took
-    17.8 s on torch 2.11 against 7.4 s for the same layers inline, and 19.3
-    against 7.9 s (torch 2.13) for a toy model on CPU. The schema depends on
-    the body graph and the operands' types only, so inside this scope (fxshard's
-    compiles) it is computed once per body graph and operand layout; outside
-    it torch's own ``gen_schema`` runs. Later torch caches it itself; this
-    does nothing there. ``op``: the higher-order op (tests pass their own)."""
+    under autograd, so AOTAutograd's joint trace of outlined layers took
+    longer than that of the same layers inline, the cost outlining exists to
+    save. The schema depends on the body graph and the operands' types only,
+    so inside this scope (fxshard's compiles) it is computed once per body
+    graph and operand layout; outside it torch's own ``gen_schema`` runs.
+    Later torch caches it itself; this does nothing there. ``op``: the
+    higher-order op (tests pass their own)."""
     op = invoke_subgraph_op() if op is None else op
     hop = type(op)
     if op is None or _torch_caches_subgraph_schemas() or getattr(hop.gen_schema, "_fxshard_cached", False):
