@@ -1654,6 +1654,9 @@ SLOWER = {
     # checkpointing: double_forward_nested_checkpoint and tests/test_torchtitan.py's llama3+full_ac;
     # micro-batches without sync: gradient_accumulation; prefetch: tests/test_parity.py's units_small_prefetch2
     "activation_checkpointing", "microbatching_1f1b", "explicit_prefetching",
+    # list activations: the dict and tuple kinds, nested_container_outputs; HSDP with one shard per
+    # replica at 2 ranks: tests/test_parity.py's hsdp (2 x 1 and 2 x 2)
+    "container_activations_list", "hsdp_train_parity",
 }  # fmt: skip
 # Scenarios that need 4 ranks (a 2 x 2 HSDP mesh).
 FOUR_RANKS = {"hsdp_gradient_accumulation", "hsdp_broadcast_across_replicas"}
