@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.params import rows_of
+from fxshard.module.shards import rows_of
 
 _SHARD = "fxshard_shard"  # state dict metadata: (shard rank, shard count) it was taken on
 

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fxshard.params import as_dtensor_grads, count_optimizer_steps, dtensor_metas
+from fxshard.module.shards import as_dtensor_grads, dtensor_metas
+from fxshard.params import count_optimizer_steps
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many

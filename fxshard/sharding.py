@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard import params as param_writes
 from fxshard.kept import KeptParams
+from fxshard.module.shards import as_dtensor_grads, dtensor_metas, shard_of, shard_parameter, slot_backed
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
@@ -69,7 +70,7 @@ from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, u
 from fxshard.runtime.plans import PlanTable
 from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
 from fxshard.runtime.topology import Group, Topology
-from fxshard.runtime.units import ParamInfo, Units, in_slot
+from fxshard.runtime.units import ParamInfo, Units
 
 if TYPE_CHECKING:
     from fxshard.passes.pipeline import FXShardBackend
@@ -179,7 +180,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
-        ctx.metas = param_writes.dtensor_metas(params)
+        ctx.metas = dtensor_metas(params)
         # A fresh view of each local tensor (an output must not be an input's
         # own tensor). Reading it directly, not through ``to_local`` (an
         # autograd function per call), saves an autograd call per parameter
@@ -191,7 +192,7 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         # Averaged over the whole mesh already, HSDP replicas included: the
         # reduces in the graphs do it (see [Note: HSDP]).
-        return param_writes.as_dtensor_grads(grads, ctx.metas, None)
+        return as_dtensor_grads(grads, ctx.metas, None)
 
 
 class LocalShards:
@@ -368,7 +369,7 @@ class RootState:
         if old.is_meta:  # to_empty: memory, and no values yet
             made = self.materialized.get(id(param))
             if made is None or made[0]() is not param:
-                replacement = param_writes.shard_parameter(_slot_backed(applied), param.requires_grad)
+                replacement = shard_parameter(slot_backed(applied), param.requires_grad)
                 replacement.mark_empty()
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
                 param_writes.retire(param, fqn)
@@ -596,34 +597,6 @@ def _swap_class(module: nn.Module, properties: dict[str, property], state: RootS
     module.__class__ = type(f"FXShard{base.__name__}", (mixin, base), namespace)
 
 
-def _slot_backed(shard: DTensor) -> DTensor:
-    """A sharded DTensor whose local tensor starts a slot buffer of its own
-    (``in_slot``, see Units.rehome); a replicated one as it is."""
-    dims = [i for i, p in enumerate(shard.placements) if p.is_shard()]
-    if not dims:
-        return shard
-    local = in_slot(compat.local_tensor(shard), shard.shape, shard.device_mesh.size(dims[0]))
-    return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False, shape=shard.shape,
-                              stride=shard.stride())  # fmt: skip
-
-
-def _shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> DTensor:
-    """``full`` as this rank's DTensor on the mesh: replicated on every
-    dimension but the shard dimension, where ``spec`` says."""
-    # Shards are row-major whatever the parameter's strides (``nn.Parameter(w.t())``):
-    # units, collectives and rows-of-a-full-value copies all assume it.
-    full = full.detach().contiguous()
-    if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
-        dt = DTensor.from_local(full, topology.mesh, topology.placements(sharded=False), run_check=False,
-                                shape=full.shape, stride=full.stride())  # fmt: skip
-        return param_writes.shard_parameter(dt, spec.requires_grad)
-    start, end = shard_range(full.shape[0], topology.shard.size, topology.shard.rank)
-    local = in_slot(full[start:end], full.shape, topology.shard.size)  # see Units.rehome
-    dt = DTensor.from_local(local, topology.mesh, topology.placements(sharded=True), run_check=False,
-                            shape=full.shape, stride=full.stride())  # fmt: skip
-    return param_writes.shard_parameter(dt, spec.requires_grad)
-
-
 def shard_parameters(
     model: nn.Module,
     plans: dict[int, ParamPlan],
@@ -662,7 +635,7 @@ def shard_parameters(
         spec = plans[key]
         first_mod, first_attr = mod_attrs[0]
         old = first_mod._parameters[first_attr]
-        shard = _shard_of(old, topology, spec)
+        shard = shard_of(old, topology, spec)
         param_writes.retire(old, spec.fqn)
         fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:

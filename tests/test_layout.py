@@ -26,10 +26,10 @@ def _files_matching(pattern: str) -> set[str]:
 
 
 def test_only_the_topology_reads_the_mesh():
-    """See [Note: topology]. ``params.local_rows`` reads a DTensor
+    """See [Note: topology]. ``module.shards.local_rows`` reads a DTensor
     parameter's own spec, and compat wraps the private flatten."""
     readers = _files_matching(r"\bnew_group\(|\.get_group\(|\.get_local_rank\(|\.mesh_dim_names|\._flatten\b")
-    allowed = {"runtime/topology.py", "runtime/compat", "params.py"}
+    allowed = {"runtime/topology.py", "runtime/compat", "module/shards.py"}
     assert readers <= allowed, f"read the mesh through fxshard.runtime.topology: {sorted(readers - allowed)}"
     assert "runtime/topology.py" in readers
 

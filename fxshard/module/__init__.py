@@ -1,0 +1,1 @@
+"""The user's module after ``fxshard.compile``: its shards, reads, writes and calls."""

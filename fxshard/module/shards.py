@@ -1,0 +1,222 @@
+"""The shards a parameter becomes, and the rows of it a rank holds.
+
+``ShardParameter`` is the ``nn.Parameter`` that ``fxshard.compile`` registers
+in place of each parameter: this rank's rows of it as a DTensor, ``Shard(0)``
+(or ``Replicate()`` for one kept whole). Below it, the helpers that make a
+shard of a full value and that move rows between full values and shards, for
+writes, checkpoints and gradients.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fxshard.runtime import compat, process
+from fxshard.runtime.collectives import Replicas, shard_range
+from fxshard.runtime.topology import Topology
+from fxshard.runtime.units import in_slot
+
+if TYPE_CHECKING:
+    # Not at import: fxshard/plan.py imports writes.py, which imports this module.
+    from fxshard.plan import ParamPlan
+
+
+class ShardParameter(DTensor):
+    """A parameter's DTensor, ``Shard(0)`` or ``Replicate()``, as ``fxshard.compile`` registers it.
+
+    A DTensor that is given new values by ``p.data = value`` keeps its old
+    local tensor (the new one never reaches it), and ``p.copy_(full)``
+    refuses a plain tensor; here both write this rank's rows into the local
+    shard, in place, so units and optimizers keep their tensors. Every other
+    operation is the DTensor's, and returns plain DTensors.
+    """
+
+    # The versions (the DTensor's, its local tensor's) when ``to_empty``
+    # materialized it from the meta device; None otherwise.
+    _empty_at: tuple[int, int] | None = None
+    optimizer_steps: int = 0  # steps of optimizers holding it, once counted (count_optimizer_steps)
+
+    @property
+    def uninitialized(self) -> bool:
+        """Materialized from the meta device and not written since, by any
+        path that moves a version (see [Note: writes to gathered
+        parameters]): reading it gathers nothing."""
+        return self._empty_at is not None and self._empty_at == self._versions()
+
+    def mark_empty(self) -> None:
+        self._empty_at = self._versions()
+
+    def _versions(self) -> tuple[int, int]:
+        return self._version, compat.local_tensor(self)._version
+
+    @property
+    def data(self) -> torch.Tensor:
+        # A detached alias sharing the version counter (torch's ``.data`` has
+        # its own), so that a write through ``p.data`` is a change that
+        # ZeRO-1's copies and held gathered values see.
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # A write to the values, as ``.data =`` is, not an op autograd records
+        # (``copy_`` on a leaf that requires grad refuses one otherwise).
+        with torch.no_grad():
+            self.copy_(value)
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> ShardParameter:
+        if isinstance(src, DTensor):
+            return super().copy_(src, non_blocking)
+        self.write_full(src)
+        return self
+
+    # [Note: random init through the shards]
+    # torchtitan's init_weights, and any loop over model.parameters(), runs
+    # nn.init on the shards themselves. DTensor draws each rank's rows on
+    # its own: on a CPU mesh every rank draws the same values (repeated rows
+    # that no training separates), and on GPUs the values differ from the
+    # unsharded model's. The in-place random fills below draw the whole
+    # parameter instead, from the same generator and in the same order as
+    # the unsharded parameter would, and keep this rank's rows: with the same
+    # seed the weights equal the unsharded model's at any world size, and no
+    # two ranks hold the same rows. nn.init's functions all start with one of
+    # these (trunc_normal_ with uniform_, then deterministic in-place ops).
+    # Random ops that make new tensors (torch.randn_like(p)) are DTensor's.
+    def uniform_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("uniform_", args, kwargs)
+
+    def normal_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("normal_", args, kwargs)
+
+    def bernoulli_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("bernoulli_", args, kwargs)
+
+    def random_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("random_", args, kwargs)
+
+    def exponential_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("exponential_", args, kwargs)
+
+    def cauchy_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("cauchy_", args, kwargs)
+
+    def log_normal_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("log_normal_", args, kwargs)
+
+    def geometric_(self, *args: Any, **kwargs: Any) -> ShardParameter:
+        return self._fill_full("geometric_", args, kwargs)
+
+    def _fill_full(self, method: str, args: tuple, kwargs: dict) -> ShardParameter:
+        if self.requires_grad and torch.is_grad_enabled():  # as torch refuses it on any leaf
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        local = compat.local_tensor(self)
+        full = torch.empty(self.shape, dtype=self.dtype, device=local.device)
+        getattr(full, method)(*args, **kwargs)
+        copy_rows(full, self, local)
+        return self
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors: dict, flatten_spec: Any, outer_size: Any, outer_stride: Any) -> Any:
+        # DTensor's rebuilds a DTensor; compiled code that takes shards as
+        # inputs (a ``torch.compile``d optimizer step) must see their own type,
+        # or AOTAutograd's runtime check refuses them.
+        plain = DTensor.__tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride)
+        return ShardParameter(compat.local_tensor(plain), compat.dtensor_spec(plain), requires_grad=plain.requires_grad)
+
+    def write_full(self, full: torch.Tensor) -> None:
+        """Copy this rank's rows of ``full``, the whole parameter, into the shard."""
+        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(self.shape):
+            got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+            raise ValueError(
+                f"a sharded parameter of shape {tuple(self.shape)} was given a value of shape {got}; give "
+                "it a tensor of the parameter's full shape (each rank keeps its own rows), or a DTensor "
+                "sharded like it"
+            )
+        copy_rows(full, self, compat.local_tensor(self))
+
+
+process.foreach_type(ShardParameter)
+
+
+def copy_rows(full: torch.Tensor, like: DTensor, into: torch.Tensor) -> None:
+    """Copy this rank's rows of ``full`` (laid out as ``like``) into ``into``, in place."""
+    rows = full[slice(*local_rows(like))] if like.dim() else full
+    with torch.no_grad(), compat.disable_torch_function_subclass():
+        into.copy_(rows)
+
+
+def rows_of(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's rows of ``full`` (all of them, replicated), as a DTensor
+    laid out like ``like``; a view of ``full`` where it can be."""
+    with compat.disable_torch_function_subclass():
+        local = full.detach()[slice(*local_rows(like))] if full.dim() else full.detach()
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())  # fmt: skip
+
+
+def local_rows(param: DTensor) -> tuple[int, int]:
+    """The ``[start, end)`` rows of the full parameter that this rank holds:
+    its shard's, or all of them for a replicated parameter."""
+    sharded = [dim for dim, p in enumerate(param.placements) if p.is_shard()]
+    if not sharded:
+        return 0, param.shape[0]
+    mesh, (dim,) = param.device_mesh, sharded  # one sharded dimension: the last (HSDP's shard dim)
+    return shard_range(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
+
+
+def dtensor_metas(params: tuple[DTensor, ...]) -> list[tuple]:
+    """What ``as_dtensor_grads`` needs of each parameter, kept by an autograd node."""
+    return [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+
+
+def as_dtensor_grads(grads: tuple[torch.Tensor | None, ...], metas: list[tuple],
+                     replicas: Replicas | None) -> tuple[DTensor | None, ...]:  # fmt: skip
+    """Local gradients as their parameters' DTensor gradients (``metas`` from
+    ``dtensor_metas``), averaged across HSDP ``replicas`` first (see [Note: HSDP])."""
+    grads = list(grads)
+    if replicas is not None:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        for i, g in zip(present, replicas.average([grads[i] for i in present])):
+            grads[i] = g
+    return tuple(
+        None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+        for g, (mesh, placements, shape, stride) in zip(grads, metas)
+    )
+
+
+def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:
+    """``shard`` as a ``ShardParameter``: an ``nn.Parameter`` to torch
+    (``isinstance(p, nn.Parameter)``), registered as modules hold parameters."""
+    param = ShardParameter(compat.local_tensor(shard), compat.dtensor_spec(shard), requires_grad=requires_grad)
+    compat.mark_parameter(param)
+    return param
+
+
+def slot_backed(shard: DTensor) -> DTensor:
+    """A sharded DTensor whose local tensor starts a slot buffer of its own
+    (``in_slot``, see Units.rehome); a replicated one as it is."""
+    dims = [i for i, p in enumerate(shard.placements) if p.is_shard()]
+    if not dims:
+        return shard
+    local = in_slot(compat.local_tensor(shard), shard.shape, shard.device_mesh.size(dims[0]))
+    return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False, shape=shard.shape,
+                              stride=shard.stride())  # fmt: skip
+
+
+def shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> DTensor:
+    """``full`` as this rank's DTensor on the mesh: replicated on every
+    dimension but the shard dimension, where ``spec`` says."""
+    # Shards are row-major whatever the parameter's strides (``nn.Parameter(w.t())``):
+    # units, collectives and rows-of-a-full-value copies all assume it.
+    full = full.detach().contiguous()
+    if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
+        dt = DTensor.from_local(full, topology.mesh, topology.placements(sharded=False), run_check=False,
+                                shape=full.shape, stride=full.stride())  # fmt: skip
+        return shard_parameter(dt, spec.requires_grad)
+    start, end = shard_range(full.shape[0], topology.shard.size, topology.shard.rank)
+    local = in_slot(full[start:end], full.shape, topology.shard.size)  # see Units.rehome
+    dt = DTensor.from_local(local, topology.mesh, topology.placements(sharded=True), run_check=False,
+                            shape=full.shape, stride=full.stride())  # fmt: skip
+    return shard_parameter(dt, spec.requires_grad)
