@@ -8,7 +8,7 @@ shards, as at every stage. The copies are gathered at the start of the
 first call of the root module after the shards changed, so once per step:
 
 - an optimizer step makes them stale, seen as a change of the shard's
-  count of optimizer steps (``params.count_optimizer_steps``: fused
+  count of optimizer steps (``module.optimizers.count_optimizer_steps``: fused
   optimizers write the shards without bumping any version counter);
 - so does any other write to a shard (``load_state_dict``, ``copy_``,
   ``fxshard.compile``'s write-through of gathered parameters), seen as a
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from fxshard.module.optimizers import count_optimizer_steps
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas
-from fxshard.params import count_optimizer_steps
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many

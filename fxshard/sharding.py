@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard import params as param_writes
 from fxshard.kept import KeptParams
+from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas, shard_of, shard_parameter, slot_backed
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
@@ -372,7 +373,7 @@ class RootState:
                 replacement = shard_parameter(slot_backed(applied), param.requires_grad)
                 replacement.mark_empty()
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
-                param_writes.retire(param, fqn)
+                retire(param, fqn)
                 self.fqns[id(replacement)] = fqn
             return made[1]
         if new is not old:
@@ -636,7 +637,7 @@ def shard_parameters(
         first_mod, first_attr = mod_attrs[0]
         old = first_mod._parameters[first_attr]
         shard = shard_of(old, topology, spec)
-        param_writes.retire(old, spec.fqn)
+        retire(old, spec.fqn)
         fqns[id(shard)] = spec.fqn
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
@@ -653,7 +654,7 @@ def shard_parameters(
     kept_rows = {i: table.local_rows[i] for i in kept}
     shards = LocalShards(list(owners.values()), KeptParams(kept, kept_rows, replicas, bucket_bytes) if kept else None)
     state = RootState(shards, sequencer, sequenced, tuple(infos), topology.device, fqns, table)
-    param_writes.watch_unsynced(state)
+    watch_unsynced(state)
     for mod, attrs in per_module.items():
         props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
                  for a, spec in attrs.items()}  # fmt: skip

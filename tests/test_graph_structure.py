@@ -554,7 +554,7 @@ def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
     and removed with the last one (they once stayed for the process)."""
     from torch.optim import optimizer as torch_optimizer
 
-    from fxshard import params as param_writes
+    from fxshard.module import optimizers
 
     def ours() -> list[str]:
         hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
@@ -562,7 +562,7 @@ def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
         return sorted(h.__name__ for h in hooks if getattr(h, "__module__", "").startswith("fxshard"))
 
     def holders() -> tuple[int, int]:
-        return param_writes._STEP_CHECK.count, param_writes._STEP_COUNT.count
+        return optimizers._STEP_CHECK.count, optimizers._STEP_COUNT.count
 
     gc.collect()
     start = holders()  # other tests' models may still be alive in this process

@@ -333,7 +333,7 @@ def freeze_through_attribute_check(rank: int, world_size: int) -> dict:
 def zero1_fused_step_check(rank: int, world_size: int) -> dict:
     """A fused optimizer writes the shards without bumping any version
     counter: ZeRO-1's full copies must still be gathered again after its
-    step (the shards' step count, ``params.count_optimizer_steps``)."""
+    step (the shards' step count, ``module.optimizers.count_optimizer_steps``)."""
     torch.manual_seed(0)
     model = _mlp()
     ref = copy.deepcopy(model)

@@ -7,7 +7,7 @@ through this module and nowhere else (``tests/test_layout.py`` checks it):
   hook, and the optimizer is built after ``fxshard.compile``, so a model
   cannot register on it. Each hook is registered while an object that needs
   it lives (a model's state, a shard, ZeRO-1's copies) and removed with the
-  last one (``fxshard/params.py``: the step count and the pre-step check).
+  last one (``fxshard/module/optimizers.py``: the step count and the pre-step check).
   A captured step also records, for the length of its warm-up
   (``before_each_step``), which optimizers step.
 - **The foreach type** (``foreach_type``): torch's optimizers and
