@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.params import GatheredParameter
+from fxshard.module.writes import GatheredParameter
 from fxshard.policy import MixedPrecision
 from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, Reduce, placement_text, reduce_text
 from fxshard.runtime.topology import Topology

@@ -60,10 +60,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard import params as param_writes
 from fxshard.kept import KeptParams
 from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas, shard_of, shard_parameter, slot_backed
+from fxshard.module.writes import ParameterLink, Source, gathered_parameter, parameter_of
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
@@ -96,13 +96,13 @@ class FXShardModule:
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # ``to_empty``, ``.to``, ``.half``: into the shards themselves (see
         # RootState.take), so parameters, units and optimizers keep their tensors.
-        return param_writes.apply_to_shards(self, fn, self.__dict__[ROOT_STATE].take, recurse)
+        return apply_to_shards(self, fn, self.__dict__[ROOT_STATE].take, recurse)
 
     def __setattr__(self, name: str, value: Any) -> None:
         params = self.__dict__.get("_parameters")
         current = params.get(name) if params is not None else None
         if current is not None and isinstance(current, DTensor):
-            target = param_writes.parameter_of(value)
+            target = parameter_of(value)
             if target is current:
                 return  # the parameter assigned to itself (a tie restated in init_weights): nothing changes
             if target is not None:
@@ -130,6 +130,28 @@ class FXShardModule:
             "torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1 - decay); "
             "or deepcopy the model before fxshard.compile and compile the copy too"
         )
+
+
+def apply_to_shards(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], take: Callable, recurse: bool = True
+) -> nn.Module:
+    """``nn.Module._apply`` for a module holding shards: ``fn`` of each shard
+    is taken into the shard itself (``take``), so parameters, units and
+    optimizers keep their objects (a shard materialized from the meta device
+    is a new object, which ``take`` returns); children and buffers as usual."""
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    for key, param in module._parameters.items():
+        if param is not None:
+            with torch.no_grad():
+                replacement = take(param, fn(param), key)
+            if replacement is not None:
+                module._parameters[key] = replacement
+    for key, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[key] = fn(buf)
+    return module
 
 
 PLAN = "_fxshard_plan"  # the ShardPlan, in the root's instance __dict__ (see _root_methods)
@@ -290,10 +312,10 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).
         param = module._parameters[attr]
-        link = param_writes.ParameterLink(param, spec.fqn, gather_stored)
+        link = ParameterLink(param, spec.fqn, gather_stored)
         if spec.replicated and not (param.requires_grad and torch.is_grad_enabled()):
             local = compat.local_tensor(param)  # the full tensor: writes land in it
-            return param_writes.gathered_parameter(local, local, param.write_full, None, link)
+            return gathered_parameter(local, local, param.write_full, None, link)
         # A value that can get a gradient (a loss term on the weights outside
         # the forward, say) reads through the marker, whose backward reduces
         # it into the shard's .grad; the local tensor itself is no leaf of it.
@@ -302,8 +324,8 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
         else:
             # HSDP: the marker's reduce averages across replicas too (see [Note: HSDP]).
             full = _gather(param.to_local(), spec, as_stored, index)
-        source = param_writes.Source(param, spec.fqn)
-        return param_writes.gathered_parameter(full, full, param.write_full, source, link)
+        source = Source(param, spec.fqn)
+        return gathered_parameter(full, full, param.write_full, source, link)
 
     def gather_stored(local: torch.Tensor) -> torch.Tensor:
         """A local tensor shaped like the shard (its gradient), full; a

@@ -1,4 +1,4 @@
-"""Parameters stay the user's: writes, conversions and optimizers after compile.
+"""Writes to a parameter's full value read from the module reach its shard.
 
 [Note: writes to gathered parameters]
 Outside the model's forward, ``module.weight`` is the full parameter,
@@ -260,25 +260,3 @@ class GradSource:
 
     def renew(self) -> None:
         self.state = self._now()
-
-
-def apply_to_shards(
-    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], take: Callable, recurse: bool = True
-) -> nn.Module:
-    """``nn.Module._apply`` for a module holding shards: ``fn`` of each shard
-    is taken into the shard itself (``take``), so parameters, units and
-    optimizers keep their objects (a shard materialized from the meta device
-    is a new object, which ``take`` returns); children and buffers as usual."""
-    if recurse:
-        for child in module.children():
-            child._apply(fn)
-    for key, param in module._parameters.items():
-        if param is not None:
-            with torch.no_grad():
-                replacement = take(param, fn(param), key)
-            if replacement is not None:
-                module._parameters[key] = replacement
-    for key, buf in module._buffers.items():
-        if buf is not None:
-            module._buffers[key] = fn(buf)
-    return module
