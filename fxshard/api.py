@@ -254,7 +254,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       ``reshard_after_forward=False``, Megatron-FSDP ``optim_grads``): they
       are kept from forward to backward; 1 (Megatron-FSDP ``optim``): every
       rank keeps a full copy of the parameters between steps, gathered once
-      after each optimizer step (see [Note: ZeRO-1] in fxshard/kept.py).
+      after each optimizer step (see [Note: ZeRO-1] in fxshard/module/zero1.py).
     - ``reshard_after_forward``: FSDP2's name: True is ``zero_stage=3``,
       False ``zero_stage=2``.
     - ``mp_policy``: ``fxshard.MixedPrecision``.

@@ -60,10 +60,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.kept import KeptParams
 from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas, shard_of, shard_parameter, slot_backed
 from fxshard.module.writes import ParameterLink, Source, gathered_parameter, parameter_of
+from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
@@ -227,7 +227,7 @@ class LocalShards:
     """
 
     def __init__(self, owners: list[list[tuple[nn.Module, str]]], kept: KeptParams | None) -> None:
-        self.kept = kept  # ZeRO-1's full copies (see [Note: ZeRO-1] in fxshard/kept.py)
+        self.kept = kept  # ZeRO-1's full copies (see [Note: ZeRO-1] in fxshard/module/zero1.py)
         self._owners = owners  # per distinct parameter, every (module, attribute) holding it
         self._modules = list({id(m): m for pairs in owners for m, _ in pairs}.values())
         for module in self._modules:
@@ -302,7 +302,7 @@ def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_st
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, plan, index)
         if attr in table:  # inside a root call: the compute dtype, read by the graph
-            if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/kept.py)
+            if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
                 return table[attr]
             phase = table[PHASE]
             if spec.replicated:
