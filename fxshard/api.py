@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fxshard import checkpoint
 from fxshard.checks import check_same_model
+from fxshard.module import checkpoint
 from fxshard.options import options
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend, GraphRecord
 from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
