@@ -49,7 +49,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import contextvars
-import inspect
 import logging
 import types
 import weakref
@@ -60,6 +59,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fxshard.module import hf
 from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas, shard_of, shard_parameter, slot_backed
 from fxshard.module.writes import ParameterLink, Source, gathered_parameter, parameter_of
@@ -567,47 +567,9 @@ def _root_methods(base: type) -> dict[str, object]:
         return self.__dict__[ROOT_STATE].call(self, base, args, kwargs)
 
     methods = {"forward": forward, "__call__": __call__}
-    if _takes_state_dict(getattr(base, "save_pretrained", None)):
-        methods["save_pretrained"] = _save_pretrained(base)
+    if hf.takes_state_dict(getattr(base, "save_pretrained", None)):
+        methods["save_pretrained"] = hf.save_pretrained_method(base)
     return methods
-
-
-def _takes_state_dict(method: Any) -> bool:
-    """Whether ``method`` takes a ``state_dict`` argument: transformers'
-    ``save_pretrained`` names it, peft's reads it from ``**kwargs``."""
-    if method is None:
-        return False
-    try:
-        params = inspect.signature(method).parameters
-        if "state_dict" in params:
-            return True
-        keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        return keywords and 'kwargs.get("state_dict"' in inspect.getsource(method)
-    except (TypeError, ValueError, OSError):
-        return False
-
-
-def _save_pretrained(base: type) -> Callable[..., Any]:
-    """Hugging Face's ``save_pretrained`` writes ``self.state_dict()``: this
-    rank's shards, which safetensors refuses ("invalid python storage"), or
-    worse. Gathering here would hang when only rank 0 saves, as is usual, so
-    the full state dict is the caller's to pass."""
-
-    signature = inspect.signature(base.save_pretrained)
-
-    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
-        given = signature.bind_partial(self, *args, **kwargs).arguments
-        state_dict = given.get("state_dict", given.get("kwargs", {}).get("state_dict"))
-        if state_dict is None:
-            raise ValueError(
-                "save_pretrained of a model that fxshard.compile sharded needs its full weights: on every rank, "
-                "sd = torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
-                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)); then on rank 0, "
-                "model.save_pretrained(path, state_dict=sd)"
-            )
-        return base.save_pretrained(self, *args, **kwargs)
-
-    return save_pretrained
 
 
 def _swap_class(module: nn.Module, properties: dict[str, property], state: RootState, root: bool) -> None:
