@@ -14,45 +14,16 @@ shard, so ``parameters()`` and ``state_dict()`` keep their names.
 The root's class also gets a ``forward`` defined here. Dynamo skips frames
 whose code lives in torch (``nn.Sequential.forward``, say) when they are the
 top frame, so the compiled top frame must be fxshard's.
-
-[Note: two ways to read]
-How a read inside a call of the root module gathers depends on the capture:
-- The forward is one graph (``fullgraph=True`` succeeded on the first call):
-  each read emits the ``fxshard::unshard`` marker on the rank's local shard,
-  and the graph passes turn the markers into collectives inside the graph.
-  One graph runs once per call on every rank, so every rank issues the same
-  collectives.
-- The forward breaks into several graphs with Python between them, which may
-  branch on data (an MoE loop over the experts that received tokens). Then
-  every read, compiled or eager, goes through the model's ``Sequencer``,
-  which issues collectives in plan order whatever the reads were (see
-  [Note: sequenced reads]).
-The choice is made once, on the first call, before any collective runs, and
-is the same on every rank: a graph break depends on the code, not the data.
-
-[Note: plain tensors into compiled graphs]
-Compiled graphs never see a DTensor. Each root call fills every owning
-module's ``_fxshard_locals`` table: the local shards (one ``_ToLocal`` node
-links their gradients back to the DTensor parameters), or, for sequenced
-reads, the call's anchors. The property reads from that table, so dynamo
-lifts plain tensors as graph inputs. (torch 2.13 passes a DTensor's
-DeviceMesh into graphs as an opaque value, which AOTAutograd cannot save for
-backward inside activation-checkpoint regions.)
-
-The property's code is never compiled as a frame of its own (see
-``compat.skip_as_top_frame``); otherwise dynamo would compile it alone,
-once per parameter, each time eager code reads a parameter.
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import contextvars
 import logging
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,15 +32,16 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.module import hf
 from fxshard.module.optimizers import retire, watch_unsynced
-from fxshard.module.shards import as_dtensor_grads, dtensor_metas, shard_of, shard_parameter, slot_backed
-from fxshard.module.writes import ParameterLink, Source, gathered_parameter, parameter_of
+from fxshard.module.reads import LocalShards, gathering_property
+from fxshard.module.shards import shard_of, shard_parameter, slot_backed
+from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
-from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore, replicate, unshard
+from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
 from fxshard.runtime.plans import PlanTable
-from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
+from fxshard.runtime.sequencer import SeqEntry, Sequencer
 from fxshard.runtime.topology import Group, Topology
 from fxshard.runtime.units import ParamInfo, Units
 
@@ -77,11 +49,6 @@ if TYPE_CHECKING:
     from fxshard.passes.pipeline import FXShardBackend
 
 log = logging.getLogger("fxshard")
-
-ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # keys in _fxshard_locals
-# The call's phase, in _fxshard_locals: a constant that dynamo guards on, so
-# each phase gets its own graph (see [Note: accumulation without sync]).
-PHASE = "__fxshard_phase__"
 
 # While set, every root module called appends itself: how ``fxshard.cuda_graph``
 # learns which models a step runs.
@@ -175,165 +142,6 @@ class FXShardRoot(FXShardModule):
             raise ValueError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}")
         state = self.__dict__[ROOT_STATE]
         state.sync = requires_gradient_sync
-
-
-def _gather(local: torch.Tensor, spec: ParamPlan, plan: int, index: int, phase: int = SYNC) -> torch.Tensor:
-    """The marker that reads parameter ``index`` of ``plan`` (see [Note:
-    markers name the plan]); ``phase``: see [Note: accumulation without sync]."""
-    if spec.replicated:
-        return replicate(local, plan, index, phase)
-    return unshard(local, plan, index, phase)
-
-
-def _read_replicated(local: torch.Tensor, spec: ParamPlan, plan: int, index: int, phase: int) -> torch.Tensor:
-    """A replicated parameter inside a root call. Only a read that can get a
-    gradient needs the marker (its backward all-reduces); a frozen one is
-    the local tensor itself, cast at most (see [Note: replicated parameters]
-    in fxshard/plan.py). Dynamo guards on ``requires_grad``, so unfreezing
-    recompiles with the marker."""
-    if local.requires_grad and torch.is_grad_enabled():
-        return _gather(local, spec, plan, index, phase)
-    return local.to(spec.dtype) if spec.dtype is not None else local
-
-
-class _ToLocal(torch.autograd.Function):
-    """The local tensors of many DTensor parameters in one autograd node; the
-    backward wraps each local gradient back into a DTensor (as ``to_local``)."""
-
-    @staticmethod
-    def forward(ctx, *params: DTensor) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
-        ctx.metas = dtensor_metas(params)
-        # A fresh view of each local tensor (an output must not be an input's
-        # own tensor). Reading it directly, not through ``to_local`` (an
-        # autograd function per call), saves an autograd call per parameter
-        # on every step, and the step's first kernel waits for this loop.
-        locals_ = [compat.local_tensor(p) for p in params]
-        return tuple(t.view_as(t) for t in locals_)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        # Averaged over the whole mesh already, HSDP replicas included: the
-        # reduces in the graphs do it (see [Note: HSDP]).
-        return as_dtensor_grads(grads, ctx.metas, None)
-
-
-class LocalShards:
-    """The plain local tensors that compiled graphs read, one per parameter.
-
-    See [Note: plain tensors into compiled graphs]. Each owning module holds
-    ``_fxshard_locals``, a dict (attribute name -> local tensor) that this
-    refreshes at the start of every call of the root module and empties after.
-    """
-
-    def __init__(self, owners: list[list[tuple[nn.Module, str]]], kept: KeptParams | None) -> None:
-        self.kept = kept  # ZeRO-1's full copies (see [Note: ZeRO-1] in fxshard/module/zero1.py)
-        self._owners = owners  # per distinct parameter, every (module, attribute) holding it
-        self._modules = list({id(m): m for pairs in owners for m, _ in pairs}.values())
-        for module in self._modules:
-            module.__dict__["_fxshard_locals"] = {}
-
-    def parameters(self) -> list[DTensor]:
-        """Each distinct parameter, as its owner holds it now; a clear error
-        for one that was replaced or is still on the meta device."""
-        params = []
-        for (module, attr), *_ in self._owners:
-            param = module._parameters.get(attr)
-            if not isinstance(param, DTensor):
-                raise ValueError(
-                    f"parameter {attr!r} of {type(module).__name__} was replaced after fxshard.compile "
-                    f"(it is now {type(param).__name__}); load values with load_state_dict() or copy_() "
-                    "into the existing shards instead of assigning new parameters. Calls that swap in other "
-                    "parameters (torch.func.functional_call, stateless reparametrizations) are not supported"
-                )
-            if compat.local_tensor(param).is_meta:
-                raise ValueError(
-                    f"parameter {attr!r} of {type(module).__name__} is still on the meta device; materialize "
-                    "the model before calling it: model.to_empty(device=...), then its own init "
-                    "(reset_parameters() or init_weights())"
-                )
-            params.append(param)
-        return params
-
-    @contextlib.contextmanager
-    def _filled(self, values: dict[tuple[nn.Module, str], torch.Tensor]) -> Iterator[None]:
-        for (module, key), value in values.items():
-            module.__dict__["_fxshard_locals"][key] = value
-        try:
-            yield
-        finally:
-            for module in self._modules:
-                module.__dict__["_fxshard_locals"].clear()
-
-    def scope(self, phase: int, store: GradStore) -> contextlib.AbstractContextManager[None]:
-        """The local shards and the call's phase, for the duration of one
-        call. ``store``: where ZeRO-1's copies keep gradients without sync."""
-        params = self.parameters()
-        locals_: list[torch.Tensor | None] = [None] * len(params)
-        if self.kept is not None:
-            self.kept.refresh(params)
-            for i, full in self.kept.reads(params, phase, store).items():
-                locals_[i] = full
-        trained = [i for i, p in enumerate(params) if p.requires_grad and locals_[i] is None]
-        if trained and torch.is_grad_enabled():
-            for i, local in zip(trained, _ToLocal.apply(*(params[i] for i in trained))):
-                locals_[i] = local
-        for i, p in enumerate(params):
-            if locals_[i] is None:
-                locals_[i] = p.to_local().detach()
-        values: dict = {pair: local for pairs, local in zip(self._owners, locals_) for pair in pairs}
-        values.update({(m, PHASE): phase for m in self._modules})
-        return self._filled(values)
-
-    def anchors(self, anchor: torch.Tensor, frozen: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-        """The sequencer's anchors, for the duration of one sequenced call."""
-        return self._filled({(m, key): value for m in self._modules
-                             for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
-
-
-def _gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int) -> property:
-    """``plan``: the id of the model's plan table, which the markers of reads
-    in a root call name; ``as_stored``: the same plans in the stored dtype,
-    for reads outside one."""
-
-    def get(module: nn.Module) -> torch.Tensor:
-        table = module._fxshard_locals
-        if ANCHOR in table:  # sequenced reads (see [Note: two ways to read])
-            anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
-            return seq_gather(anchor, plan, index)
-        if attr in table:  # inside a root call: the compute dtype, read by the graph
-            if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
-                return table[attr]
-            phase = table[PHASE]
-            if spec.replicated:
-                return _read_replicated(table[attr], spec, plan, index, phase)
-            return _gather(table[attr], spec, plan, index, phase)
-        # Outside one (init, a submodule called directly, a read after
-        # training): the parameter as stored, and writes to it land in the
-        # shard (see [Note: writes to gathered parameters]).
-        param = module._parameters[attr]
-        link = ParameterLink(param, spec.fqn, gather_stored)
-        if spec.replicated and not (param.requires_grad and torch.is_grad_enabled()):
-            local = compat.local_tensor(param)  # the full tensor: writes land in it
-            return gathered_parameter(local, local, param.write_full, None, link)
-        # A value that can get a gradient (a loss term on the weights outside
-        # the forward, say) reads through the marker, whose backward reduces
-        # it into the shard's .grad; the local tensor itself is no leaf of it.
-        if param.uninitialized:  # materialized from meta, never written: no values to gather
-            full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
-        else:
-            # HSDP: the marker's reduce averages across replicas too (see [Note: HSDP]).
-            full = _gather(param.to_local(), spec, as_stored, index)
-        source = Source(param, spec.fqn)
-        return gathered_parameter(full, full, param.write_full, source, link)
-
-    def gather_stored(local: torch.Tensor) -> torch.Tensor:
-        """A local tensor shaped like the shard (its gradient), full; a
-        replicated one is full already, and writes to it land in place."""
-        return local if spec.replicated else _gather(local, spec, as_stored, index)
-
-    compat.skip_as_top_frame(get.__code__)
-    return property(get, doc=f"The full parameter {spec.fqn!r}, gathered from its shards.")
 
 
 class RootState:
@@ -640,7 +448,7 @@ def shard_parameters(
     state = RootState(shards, sequencer, sequenced, tuple(infos), topology.device, fqns, table)
     watch_unsynced(state)
     for mod, attrs in per_module.items():
-        props = {a: _gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
+        props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     return state

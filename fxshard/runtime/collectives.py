@@ -204,7 +204,7 @@ def any_rank(flags: torch.Tensor, world_size: int, group_name: str) -> list[bool
 #   overlap no reduce with the backward anyway (see [Note: sequenced reads]).
 # - ZeRO-1's coalesced reduces, after the backward, are then averaged
 #   through ``Replicas.average`` (``module/zero1.py``), all at once.
-# So ``sharding._ToLocal`` hands the graphs' gradients through as they are.
+# So ``module.reads._ToLocal`` hands the graphs' gradients through as they are.
 # Without sync nothing is reduced, so nothing is averaged; the call with
 # sync reduces the sum once, and averages it then: once per synced step.
 # The unit ops wait on the device stream only (no host sync), so a captured
