@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.checks import check_same_model
 from fxshard.module import checkpoint
+from fxshard.module.root import RootState
 from fxshard.options import options
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend, GraphRecord
 from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
@@ -28,7 +29,7 @@ from fxshard.runtime import rank_checks
 from fxshard.runtime.plans import ParamPlan, PlanTable
 from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import Units
-from fxshard.sharding import PLAN, FXShardModule, RootState, shard_parameters
+from fxshard.sharding import PLAN, FXShardModule, shard_parameters
 
 log = logging.getLogger("fxshard")
 

@@ -55,9 +55,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from fxshard.module.root import CALLED_ROOTS
 from fxshard.passes.memory import step_transient
 from fxshard.runtime import compat, process
-from fxshard.sharding import CALLED_ROOTS
 
 log = logging.getLogger("fxshard")
 

@@ -19,12 +19,9 @@ top frame, so the compiled top frame must be fxshard's.
 from __future__ import annotations
 
 import builtins
-import contextvars
-import logging
 import types
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,28 +30,17 @@ from torch.distributed.tensor import DTensor
 from fxshard.module import hf
 from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.reads import LocalShards, gathering_property
-from fxshard.module.shards import shard_of, shard_parameter, slot_backed
+from fxshard.module.root import RootState
+from fxshard.module.shards import shard_of
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import shard_range
-from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
 from fxshard.runtime.plans import PlanTable
 from fxshard.runtime.sequencer import SeqEntry, Sequencer
 from fxshard.runtime.topology import Group, Topology
-from fxshard.runtime.units import ParamInfo, Units
-
-if TYPE_CHECKING:
-    from fxshard.passes.pipeline import FXShardBackend
-
-log = logging.getLogger("fxshard")
-
-# While set, every root module called appends itself: how ``fxshard.cuda_graph``
-# learns which models a step runs.
-CALLED_ROOTS: contextvars.ContextVar[list[nn.Module] | None] = contextvars.ContextVar(
-    "fxshard_called_roots", default=None
-)
+from fxshard.runtime.units import ParamInfo
 
 
 class FXShardModule:
@@ -142,210 +128,6 @@ class FXShardRoot(FXShardModule):
             raise ValueError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}")
         state = self.__dict__[ROOT_STATE]
         state.sync = requires_gradient_sync
-
-
-class RootState:
-    """How the root module's calls read parameters (see [Note: two ways to read])."""
-
-    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...],
-                 device: torch.device, fqns: dict[int, str], table: PlanTable) -> None:  # fmt: skip
-        self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
-        # The plans that read markers name (see [Note: markers name the plan]); held here, with the model.
-        self.table, self.stored_table = table, table.as_stored()
-        self.infos = infos  # per distinct parameter, for units (fxshard/runtime/units.py)
-        self.device = device
-        self.fqns = fqns  # id of each shard -> its parameter's name
-        # id of a shard on the meta device -> (it, the shard that replaced it)
-        self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
-        self.calls = 0
-        self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
-        self.store = GradStore(table.id, sequencer.reduce_one, self._note_kept)
-        sequencer.after_hold = self._note_kept
-        self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
-        self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
-        self.backend: FXShardBackend | None = None  # see attach
-        self.units: Units | None = None
-        self._depth = 0  # root calls running, nested ones included
-        self.input_dtype: torch.dtype | None = None  # MixedPrecision.cast_forward_inputs: floating inputs cast to it
-
-    def attach(self, backend: FXShardBackend | None, units: Units | None) -> None:
-        """The compiler the root's calls run through (None for
-        ``backend="eager"``), and the units its graphs gather (None at one
-        rank): the first call moves the shards into the units' slots, a
-        graph break on it recompiles allowing breaks."""
-        self.backend, self.units = backend, units
-
-    def take(self, param: DTensor, applied: Any, attr: str) -> DTensor | None:
-        """Take ``applied``, what ``nn.Module._apply``'s function made of the
-        shard ``param``, into ``param`` itself; or, for a shard on the meta
-        device, return the parameter that replaces it (a DTensor keeps the
-        device it was made on), the same one for every module sharing it."""
-        if applied is param:
-            return None
-        fqn = self.fqns.get(id(param), attr)
-        if not isinstance(applied, DTensor) or applied.dtype != param.dtype:
-            raise ValueError(
-                f"parameter {fqn!r} is a {param.dtype} shard; fxshard.compile fixed its dtype, so the model "
-                f"cannot be converted to {getattr(applied, 'dtype', type(applied).__name__)} now. Convert it "
-                "before fxshard.compile (model.to(dtype)), or compute in another dtype with "
-                "mp_policy=fxshard.MixedPrecision(param_dtype=...)"
-            )
-        new, old = compat.local_tensor(applied), compat.local_tensor(param)
-        if new.device != self.device:
-            raise ValueError(
-                f"parameter {fqn!r} lives on this rank's mesh device {self.device}; fxshard cannot move it to "
-                f"{new.device}. Move the model before fxshard.compile, or materialize it there with "
-                f"model.to_empty(device={str(self.device)!r})"
-            )
-        if old.is_meta:  # to_empty: memory, and no values yet
-            made = self.materialized.get(id(param))
-            if made is None or made[0]() is not param:
-                replacement = shard_parameter(slot_backed(applied), param.requires_grad)
-                replacement.mark_empty()
-                made = self.materialized[id(param)] = (weakref.ref(param), replacement)
-                retire(param, fqn)
-                self.fqns[id(replacement)] = fqn
-            return made[1]
-        if new is not old:
-            old.copy_(new)
-        return None
-
-    def call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
-        called = CALLED_ROOTS.get()
-        if called is not None:
-            called.append(module)
-        if self.input_dtype is not None:
-            args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
-        # Logging and prints in the forward are not graph breaks for fxshard's
-        # compiles (see compat.debug_calls_in_traces).
-        with compat.debug_calls_in_traces():
-            return self._call(module, base, args, kwargs)
-
-    def _cast_inputs(self, value: Any) -> Any:
-        """Floating-point tensors in ``value`` (tensors, and lists, tuples and
-        dicts of them) in ``input_dtype``; everything else as it is."""
-        if isinstance(value, torch.Tensor):
-            return value.to(self.input_dtype) if value.is_floating_point() else value
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self._cast_inputs(v) for v in value)
-        if type(value) is dict:
-            return {k: self._cast_inputs(v) for k, v in value.items()}
-        return value
-
-    def _phase(self) -> int:
-        if not torch.is_grad_enabled():
-            return SYNC  # no gradient: the graph of no phase (inference)
-        if not self.sync:
-            return ACCUMULATE
-        return FLUSH if self.store.grads else SYNC
-
-    def pending(self) -> bool:
-        """Whether gradients accumulated without sync wait for a call with sync."""
-        return bool(self.store.grads) or self.sequencer.pending()
-
-    def _grads_now(self) -> tuple:
-        grads = [p.grad for p in self.shards.parameters()]
-        return tuple(None if g is None else (id(g), g._version, compat.local_tensor(g)._version) for g in grads)
-
-    def _note_kept(self) -> None:
-        self._kept_grads = self._grads_now()
-
-    def check_kept(self) -> None:
-        """Drop the gradients kept without sync if ``.grad`` was reset since
-        (see [Note: accumulation without sync] in runtime/ops.py)."""
-        if not self.pending() or self._kept_grads is None or self._grads_now() == self._kept_grads:
-            return
-        log.warning("fxshard: gradients were reset (zero_grad) after micro-batches without sync; dropping the "
-                    "gradients kept for those micro-batches, as their .grad was")  # fmt: skip
-        self.store.grads.clear()
-        self.sequencer.drop_held()
-        self._kept_grads = None
-
-    def _sequenced_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
-        with self.sequencer.call(self.sync) as (anchor, frozen), self.shards.anchors(anchor, frozen):
-            return base.__call__(module, *args, **kwargs)
-
-    def _call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
-        outermost = self._depth == 0 and not compat.in_backward()
-        if outermost:
-            self._recover(after_raise=False)
-        self._depth += 1
-        try:
-            return self._outer_call(module, base, args, kwargs)
-        except BaseException:
-            if outermost:
-                self._recover(after_raise=True)
-            raise
-        finally:
-            self._depth -= 1
-
-    def _recover(self, after_raise: bool) -> None:
-        """Clear what a call or a backward that raised left behind (see
-        [Note: a call that raises] in fxshard/runtime/units.py): wait for its
-        collectives in flight, and drop the gradients a failed backward gave
-        sequenced calls. Before a call, this finds what a backward left."""
-        in_flight = self.units.drain() if self.units is not None else 0
-        failed = self.sequencer.drop_failed_backward()
-        if (in_flight or failed) and not after_raise:
-            log.warning("fxshard: the last backward raised; its gradients are dropped (%d collectives in flight "
-                        "waited for). Zero the gradients before the next step, as after any failed backward: "
-                        ".grad may hold part of it", in_flight)  # fmt: skip
-
-    def _outer_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
-        self.check_kept()
-        if self.sequenced:
-            return self._sequenced_call(module, base, args, kwargs)
-        try:
-            with self.shards.scope(self._phase(), self.store):
-                out = base.__call__(module, *args, **kwargs)
-        except Exception as error:
-            if not compat.is_user_error(error):
-                return self._on_graph_break(error, module, base, args, kwargs)
-            failed = error
-        else:
-            if self.calls == 0 and self.units is not None:
-                self.units.rehome()  # the model runs as one graph: units are used
-            self.calls += 1
-            return out
-        # Outside the except block, so that the user's exception is not
-        # chained to dynamo's.
-        self._raise_eagerly(failed, module, base, args, kwargs)
-
-    def _on_graph_break(self, error: Exception, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
-        if not compat.is_graph_break(error):
-            raise error
-        reason = compat.graph_break_reason(error)
-        if self.calls or self.backend is None:
-            raise NotImplementedError(
-                "fxshard: a graph break appeared after the first call (a recompile for new input shapes or "
-                "modes). fxshard chooses how to gather on the first call, the same on every rank, and cannot "
-                "switch later. Make the first call representative (same mode and code path), or remove the "
-                f"graph break. Dynamo said: {reason}"
-            ) from error
-        log.warning("fxshard: the forward has graph breaks; reads go through the sequencer "
-                    "(no reshard, reduces at the end of backward). Dynamo said: %s", reason)  # fmt: skip
-        if self.shards.kept is not None:  # the sequencer gathers on every call
-            self.shards.kept.drop()
-        self.graph_break_reason = reason
-        self.backend.graph_break_reason = reason  # for the summaries of the graphs to come
-        module.compile(backend=self.backend, fullgraph=False)
-        self.sequenced = True
-        return self._outer_call(module, base, args, kwargs)
-
-    def _raise_eagerly(self, failed: Exception, module: nn.Module, base: type, args: tuple, kwargs: dict) -> None:
-        """Raise what the user's forward raises, as it raises it. Dynamo
-        reports an exception of the traced code as its own error (``failed``),
-        so the call runs again uncompiled, reading through the sequencer: the
-        same collectives on every rank, whatever the code reads before it
-        raises. Should it not raise, dynamo's error stands."""
-        try:
-            with torch.compiler.set_stance("force_eager"):
-                self._sequenced_call(module, base, args, kwargs)
-        except Exception as error:
-            error.add_note(f"fxshard: raised by the model's forward, run uncompiled after dynamo stopped at it "
-                           f"({compat.graph_break_reason(failed)})")  # fmt: skip
-            raise
-        raise failed
 
 
 def _root_forward(self, *args, **kwargs):

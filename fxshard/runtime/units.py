@@ -465,7 +465,7 @@ class Units:
 # its issued collectives in flight, and the next gather or reduce of the same
 # unit would find its key taken. So the root drains the units when its
 # outermost call raises, and before each outermost call (a backward that
-# raised has no call of its own to end; ``sharding.RootState._recover``).
+# raised has no call of its own to end; ``module.root.RootState._recover``).
 # Draining waits: an NCCL collective writes into its output until it is
 # done, and the other ranks issued the same collectives where the error is
 # the same on every rank (an error on one rank only leaves the others waiting
