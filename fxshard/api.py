@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from fxshard.checks import check_same_model
 from fxshard.module import checkpoint
 from fxshard.module.root import RootState
+from fxshard.module.swap import PLAN, FXShardModule, shard_parameters
 from fxshard.options import options
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend, GraphRecord
 from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
@@ -29,7 +30,6 @@ from fxshard.runtime import rank_checks
 from fxshard.runtime.plans import ParamPlan, PlanTable
 from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import Units
-from fxshard.sharding import PLAN, FXShardModule, shard_parameters
 
 log = logging.getLogger("fxshard")
 
@@ -345,7 +345,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     plan = ShardPlan(
         topology, params, opts.zero_stage, opts.mp_policy, opts.backend, opts.debug_dir, graphs, state, unit_plan
     )
-    # On the instance: the class may outlive the model (see sharding._root_methods).
+    # On the instance: the class may outlive the model (see module.swap._root_methods).
     model.__dict__[PLAN] = plan
     # Full state dicts load into the shards; another rank's shards do not.
     checkpoint.install(model, shard.rank, shard.size)

@@ -1,4 +1,4 @@
-"""Sharding a module's parameters in place, and reading them back gathered.
+"""What ``fxshard.compile`` swaps in the user's module: parameters for shards, classes for gathering ones.
 
 [Note: gather on access]
 Each parameter is replaced, in every module that owns it, by one
