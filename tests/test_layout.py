@@ -6,6 +6,7 @@ compile and fails on the line that breaks the rule.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -55,3 +56,19 @@ def test_layers_import_downward():
             assert targets <= {"runtime"}, f"{path.relative_to(ROOT)} imports {targets}"
         elif layer == "passes":
             assert targets <= {"runtime", "passes"}, f"{path.relative_to(ROOT)} imports {targets}"
+
+
+def test_module_files_import_downward():
+    """See [Note: the module package]: each file of fxshard/module/ imports
+    only the files listed before it there, and its __init__ imports none
+    (fxshard/plan.py imports writes.py, which must not load swap.py)."""
+    order = ["shards", "optimizers", "writes", "zero1", "reads", "root", "hf", "checkpoint", "swap"]
+    folder = ROOT / "module"
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    init = ast.parse((folder / "__init__.py").read_text())
+    assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    imports = re.compile(r"^from fxshard\.module(?:\.(\w+) import| import ([\w, ]+))", re.M)
+    for i, name in enumerate(order):
+        found = imports.findall((folder / f"{name}.py").read_text())
+        targets = {m or n.strip() for m, names in found for n in (names.split(",") if names else [""])}
+        assert targets <= set(order[:i]), f"module/{name}.py imports {sorted(targets - set(order[:i]))}"
