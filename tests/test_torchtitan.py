@@ -5,7 +5,7 @@ license), built as its trainer builds them: on the meta device, then
 ``init_weights``. At 2 gloo ranks:
 
 - init: the full weights are the unsharded model's init with the same seed
-  (see [Note: random init through the shards] in fxshard/params.py), but
+  (see [Note: random init through the shards] in fxshard/module/shards.py), but
   for the values that torch >= 2.12's ``trunc_normal_`` redraws outside its
   bounds through a DTensor op (``torch.empty_like(p).normal_()``), which draws
   per shard; and no two ranks hold the same rows;
