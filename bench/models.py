@@ -4,7 +4,7 @@
   causal SDPA, SwiGLU, untied output), full multi-head attention.
 - ``moe``: Hugging Face's OLMoE (transformers' own model code, its default
   ``grouped_mm`` experts): 32 experts, top-4, 16 layers, 940M parameters.
-- ``hybrid``: tests/models.py's Hybrid at benchmark size: attention blocks,
+- ``hybrid``: tests/helpers/models.py's Hybrid at benchmark size: attention blocks,
   Mamba-style blocks that read their conv's weight directly and pass a weight
   to a custom op, and grouped-expert MoE layers, in one graph.
 - ``tiny``, ``moe_tiny``, ``hybrid_tiny``: the same code at test size, for a
@@ -78,7 +78,7 @@ def _olmoe(batch: int, warmup: int, steps: int, **sizes: int) -> ModelSpec:
 
 
 def _hybrid(batch: int, warmup: int, steps: int, seq: int, **sizes) -> ModelSpec:
-    from tests.models import Hybrid
+    from tests.helpers.models import Hybrid
 
     attention = sizes["pattern"].count("a")
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 # run deselects them (not skips: the summary counts them as deselected and says
 # how to run them). FXSHARD_FULL_CPU=1 adds them; ``-m full_cpu`` runs only
 # them. Fixtures that run many cases in one set of ranks run the selected
-# cases only (tests.distributed.selected).
+# cases only (tests.helpers.distributed.selected).
 _FULL_CPU_DESELECTED = pytest.StashKey[int]()
 
 

@@ -17,7 +17,7 @@ from fxshard.passes.memory import graph_peak, liveness, step_peak
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend
 from fxshard.runtime import compat
 from fxshard.runtime.units import UNIT_GATHER, UNIT_REDUCE
-from tests import marker_plans, models
+from tests.helpers import marker_plans, models
 
 _aten, _funcol = torch.ops.aten, torch.ops._c10d_functional
 

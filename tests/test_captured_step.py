@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import fxshard
 from fxshard.graphs import CapturedStep
-from tests.models import GraphBreaks
+from tests.helpers.models import GraphBreaks
 
 
 class _CountingGraph:

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 
 import fxshard
 from examples.llama import lm_loss
-from tests import models
-from tests.distributed import check_results, run_ranks
+from tests.helpers import models
+from tests.helpers.distributed import check_results, run_ranks
 
 ATOL, RTOL = 2e-5, 1e-4
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3: every world size trains on the same global batch
@@ -54,7 +54,7 @@ def _device() -> torch.device:
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)  # eps: see tests/parity.py
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)  # eps: see tests/helpers/parity.py
 
 
 def _llama_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import fxshard
-from tests import cuda_graph_checks as checks
-from tests.distributed import check_results, run_ranks
+from tests.helpers import cuda_graph_checks as checks
+from tests.helpers.distributed import check_results, run_ranks
 
 
 @pytest.mark.full_cpu  # 13 s on 2 cores; the one-rank test below checks the same error
@@ -37,7 +37,7 @@ def _held_after_a_step():
     """A trained fxshard model on a one-rank gloo group, its AdamW, and what
     a replay would read of them (``graphs._Held``)."""
     from fxshard import graphs
-    from tests import models
+    from tests.helpers import models
 
     torch.manual_seed(0)
     model = fxshard.compile(models.Uneven(), backend="aot_eager")

@@ -2,10 +2,10 @@
 CUDA graph, on 2 GPUs with NCCL.
 
 Skipped without 2 CUDA GPUs. Each group is one launch of 2 ranks that runs
-all its cases (tests/cuda_graph_checks.py); each case is reported on its own:
+all its cases (tests/helpers/cuda_graph_checks.py); each case is reported on its own:
     NCCL_NVLS_ENABLE=0 python -m pytest tests/test_cuda_graph_gpu.py
 
-- bitwise: the example Llama, the Hybrid (tests/models.py), Hugging Face
+- bitwise: the example Llama, the Hybrid (tests/helpers/models.py), Hugging Face
   Llama and Mamba2, each in fp32 and in bf16 mixed precision: 20 steps
   through a plain loop and through ``fxshard.cuda_graph``; losses, shards and
   optimizer states bitwise equal;
@@ -25,8 +25,8 @@ import os
 import pytest
 import torch
 
-from tests import cuda_graph_checks as checks
-from tests.distributed import check_results, run_ranks
+from tests.helpers import cuda_graph_checks as checks
+from tests.helpers.distributed import check_results, run_ranks
 
 # FXSHARD_GATE_WORLD=1 runs the gate on one GPU: the capture paths, not the
 # communication (a one-rank NCCL collective is a copy).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fxshard
-from tests import models
+from tests.helpers import models
 
 
 def test_dumps_every_phase_with_module_paths(fake_pg, tmp_path):

@@ -168,7 +168,7 @@ def test_environment_is_read_once_at_compile(fake_pg, monkeypatch, set_before_co
     """FXSHARD_* variables are options: read by fxshard.compile, with the
     arguments, and fixed for that model (they were read again at each
     graph's compile, so a variable set later changed a model already made)."""
-    from tests import models
+    from tests.helpers import models
 
     model = models.TinyLlama()
     if set_before_compile:

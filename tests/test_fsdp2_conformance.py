@@ -15,7 +15,7 @@ concepts map as:
 Where fxshard deliberately differs from FSDP2 (docs/limits.md says so), the
 scenario asserts fxshard's documented behaviour or error and says so in a
 comment. Training scenarios compare with an unsharded reference in the same
-process (tests/helpers_fsdp2.py: same losses, gradients to 1e-5 of the
+process (tests/helpers/fsdp2.py: same losses, gradients to 1e-5 of the
 largest, updated parameters where the gradient is not near zero, since Adam
 turns rounding noise on a zero gradient into a full step).
 
@@ -40,10 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fxshard
-from tests.distributed import check_results, run_ranks, selected
-from tests.helpers_fsdp2 import Checks, fsdp2_models, full, gen, parity, run_scenarios, shard
+from tests.helpers.distributed import check_results, run_ranks, selected
+from tests.helpers.fsdp2 import Checks, fsdp2_models, full, gen, parity, run_scenarios, shard
 
-# bf16: the reference casts where fxshard casts (helpers_fsdp2), so on one machine they agree to the bit
+# bf16: the reference casts where fxshard casts (tests/helpers/fsdp2.py), so on one machine they agree to the bit
 # here; the tolerances allow a couple of bf16 ulps (2**-8) in gradients and losses, and a tenth of one
 # Adam step (lr=1e-2) in parameters, compared where the gradient is above 5% of the largest.
 BF16_TOL = dict(grad_tol=1e-2, param_atol=1e-3, param_rtol=1e-3, loss_tol=1e-2, grad_floor=5e-2)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
-from tests import models
+from tests.helpers import models
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("FXSHARD_REGEN_GOLDEN") == "1"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import check_results, run_ranks
-from tests.parity import SCENARIOS, Scenario, run_all
+from tests.helpers.distributed import check_results, run_ranks
+from tests.helpers.parity import SCENARIOS, Scenario, run_all
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +22,7 @@ pytestmark = [
 try:
     import transformers  # noqa: F401
 
-    from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
+    from tests.helpers.hf_parity import HF_CHECKS, HF_SCENARIOS
 except ImportError:
     HF_CHECKS, HF_SCENARIOS = {}, {}
 
@@ -82,7 +82,7 @@ def test_nccl_checkpoint_round_trip(tmp_path):
 
 def test_nccl_zoo_seeds():
     """The zoo's CI seeds (tests/test_zoo.py) at 2 GPUs, under both compilers."""
-    from tests.zoo import failures, run_seeds
+    from tests.helpers.zoo import failures, run_seeds
 
     seeds_of = {"aot_eager": [37, 92, 137, 180, 131, 195], "inductor": [4, 59, 34]}  # tests/test_zoo.py's CI seeds
     for backend, seeds in seeds_of.items():

@@ -19,7 +19,7 @@ from fxshard.passes.markers import param_of
 from fxshard.passes.units import form_units
 from fxshard.runtime import compat, plans as plans_module
 from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
-from tests import models
+from tests.helpers import models
 
 PER_PARAM = 1e-6  # unit_mb so small that every parameter is a unit of its own
 
@@ -625,7 +625,7 @@ def test_plan_id_names_the_plan():
     caches on disk: the id depends on the plans only, and two live tables of
     the same plans (two copies of one model) get two ids, so that each
     model's reads find its own gradient store and sequencer."""
-    from tests import marker_plans
+    from tests.helpers import marker_plans
 
     plan, _ = marker_plans.sharded("w", (8, 3), 4, 2)
     table = plans_module.table(plan)

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.distributed import check_results, run_ranks, selected  # noqa: E402
-from tests.hf_parity import CHECKPOINTED, HF_CHECKS, HF_SCENARIOS  # noqa: E402
+from tests.helpers.distributed import check_results, run_ranks, selected  # noqa: E402
+from tests.helpers.hf_parity import CHECKPOINTED, HF_CHECKS, HF_SCENARIOS  # noqa: E402
 
 # The checkpointed scenarios run inside their *_gathers_once checks.
 ALL = [name for name in HF_SCENARIOS if name not in CHECKPOINTED] + list(HF_CHECKS)
@@ -42,7 +42,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def hf_run(request):
     """Every selected model of one world size, in one set of ranks."""
-    from tests.parity import run_all
+    from tests.helpers.parity import run_all
 
     world_size = request.param
     results = run_ranks(world_size, run_all, selected(request, "check", hf_run=world_size), timeout=900)

@@ -14,8 +14,8 @@ from torch.distributed.tensor import distribute_tensor
 
 import fxshard
 from examples.llama import RMSNorm, lm_loss, rope_tables
-from tests import models
-from tests.distributed import check_results, run_ranks
+from tests.helpers import models
+from tests.helpers.distributed import check_results, run_ranks
 
 
 def _device() -> torch.device:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import check_results, run_ranks, selected
-from tests.parity import SCENARIOS, run_all
+from tests.helpers.distributed import check_results, run_ranks, selected
+from tests.helpers.parity import SCENARIOS, run_all
 
 # routed_experts runs inside routed_experts_differ, llama_untied_ragged inside
 # sharded_lookups, blocks_once inside blocks_once_gathers_again.

@@ -21,7 +21,7 @@ from fxshard.passes.schedule import schedule_collectives_pass
 from fxshard.passes.tagging import tag_unshard_pass
 from fxshard.passes.units import form_units
 from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, ParamInfo, Units
-from tests import marker_plans
+from tests.helpers import marker_plans
 
 _aten, _funcol, _fxshard = torch.ops.aten, torch.ops._c10d_functional, torch.ops.fxshard
 WS = 4

@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from fxshard.runtime.rank_checks import RankMismatchError
-from tests import models, rank_check_models
-from tests.distributed import check_results, run_ranks
-from tests.parity import run_each
+from tests.helpers import models, rank_check_models
+from tests.helpers.distributed import check_results, run_ranks
+from tests.helpers.parity import run_each
 
 
 def _raises_on_every_rank(fn, error_type, *matches: str) -> None:
@@ -110,7 +110,7 @@ def gpt2_one_graph(rank: int, world_size: int) -> None:
     the same training as unsharded."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tests.parity import Scenario, train_and_compare
+    from tests.helpers.parity import Scenario, train_and_compare
 
     def make() -> nn.Module:
         return GPT2LMHeadModel(

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from tests.distributed import check_results, run_ranks
+from tests.helpers.distributed import check_results, run_ranks
 
 
 class FailingBackward(torch.autograd.Function):

@@ -16,8 +16,8 @@ import fxshard
 from examples.llama import lm_loss
 from fxshard import plan as plan_module
 from fxshard.runtime.collectives import gather_many, reduce_many
-from tests import models
-from tests.distributed import check_results, run_ranks
+from tests.helpers import models
+from tests.helpers.distributed import check_results, run_ranks
 
 
 def test_plan_is_dumped(fake_pg, tmp_path):

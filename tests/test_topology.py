@@ -10,8 +10,8 @@ from torch.distributed.tensor import Replicate, Shard
 import fxshard
 from fxshard.runtime import compat
 from fxshard.runtime.topology import Topology
-from tests import models
 from tests.conftest import _reset
+from tests.helpers import models
 
 
 @pytest.fixture

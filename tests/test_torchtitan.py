@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxshard
-from tests.distributed import check_results, run_ranks, selected
+from tests.helpers.distributed import check_results, run_ranks, selected
 
 configs = pytest.importorskip("tests.torchtitan.configs")
 

@@ -1,4 +1,4 @@
-"""Generated architectures (tests/zoo.py) match unsharded training, under
+"""Generated architectures (tests/helpers/zoo.py) match unsharded training, under
 fxshard's default options, on 2 and 3 gloo ranks, with Inductor and aot_eager.
 
 A fixed set of seeds runs in CI. ``FXSHARD_ZOO_SEEDS`` runs more: ``200``
@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from tests.distributed import check_results, run_ranks, selected
-from tests.zoo import failures, parse_seeds, run_seeds
+from tests.helpers.distributed import check_results, run_ranks, selected
+from tests.helpers.zoo import failures, parse_seeds, run_seeds
 
 # (backend, world size) -> seeds. Together they cover every part kind and
 # variant, float and token inputs, tied, frozen and direct-read heads, empty

@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
-from tests import hf_models, models
-from tests.parity import _device, run_each
+from tests.helpers import hf_models, models
+from tests.helpers.parity import _device, run_each
 
 WARMUP = 2
 BF16 = fxshard.MixedPrecision(torch.bfloat16, torch.float32)

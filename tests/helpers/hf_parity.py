@@ -1,4 +1,4 @@
-"""Parity checks for Hugging Face transformers models (see tests/hf_models.py)."""
+"""Parity checks for Hugging Face transformers models (see tests/helpers/hf_models.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch.utils.checkpoint import checkpoint
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
 from fxshard.runtime.compat import is_checkpoint_region
-from tests import hf_models
-from tests.parity import ATOL, RTOL, Scenario, _device, train_and_compare
+from tests.helpers import hf_models
+from tests.helpers.parity import ATOL, RTOL, Scenario, _device, train_and_compare
 
 
 def _hf_loss(out: Any, batch: Any) -> torch.Tensor:

@@ -196,7 +196,7 @@ def parity(
     if compute_dtype is not None:
         compute = compute.to(compute_dtype)
     masters, computes = list(master.parameters()), list(compute.parameters())
-    # eps=1e-6, not 1e-8: see tests/parity.py (reduction-order noise near 1e-8 grows through Adam).
+    # eps=1e-6, not 1e-8: see tests/helpers/parity.py (reduction-order noise near 1e-8 grows through Adam).
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-6)
     ref_opt = torch.optim.Adam(master.parameters(), lr=1e-2, eps=1e-6)
     checks = Checks()

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxshard
-from tests.parity import Scenario, train_and_compare
+from tests.helpers.parity import Scenario, train_and_compare
 
 WIDTHS = (5, 6, 7, 9, 12, 16, 24, 33, 48)  # hidden sizes; most not divisible by 2 or 3
 NARROW = (1, 2, 3)  # dim 0 below the world size: empty shards

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fxshard
 from examples.llama import lm_loss
-from tests import models
+from tests.helpers import models
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -689,7 +689,7 @@ def dropped_model_check(rank: int, world_size: int) -> dict:
 
 
 def _registry() -> tuple[dict[str, Callable[[int, int], Any]], dict[str, Scenario]]:
-    from tests.hf_parity import HF_CHECKS, HF_SCENARIOS
+    from tests.helpers.hf_parity import HF_CHECKS, HF_SCENARIOS
 
     checks = {"eval_no_grad": eval_no_grad_check, "routed_experts_differ": routed_experts_check,
               "sharded_lookups": sharded_lookup_check, "blocks_once_gathers_again": blocks_once_check,
