@@ -41,7 +41,7 @@ from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
 from fxshard.passes.lower import lower_collectives_pass
-from fxshard.passes.markers import full_weight_views, is_unshard, nodes_in_call_order, param_of
+from fxshard.passes.markers import full_weight_views, is_seq_gather, is_unshard, nodes_in_call_order, param_of
 from fxshard.passes.memory import GraphPeak, graph_peak, held_inputs, load_estimates, save_estimates
 from fxshard.passes.outline import (
     OutlineRecord,
@@ -331,9 +331,14 @@ class FXShardBackend:
     def _note_saved_full_weights(record: GraphRecord, phase: str, gm: fx.GraphModule) -> None:
         # The partitioner names the backward's saved inputs after the forward
         # nodes that produced them, so names tell what the forward saved.
+        # Gathered values come from unshards, or on the sequenced path from
+        # the sequencer's reads.
         if phase == "forward":
             record.full_weights_in_forward = {
-                v.name: param_of(n).fqn for n in gm.graph.nodes if is_unshard(n) for v in full_weight_views(n, set())
+                v.name: param_of(n).fqn
+                for n in gm.graph.nodes
+                if is_unshard(n) or is_seq_gather(n)
+                for v in full_weight_views(n, set())
             }
         elif phase == "backward":
             inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
