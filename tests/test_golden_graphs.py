@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
-from tests.helpers import models
+from tests.helpers import models, runtime
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("FXSHARD_REGEN_GOLDEN") == "1"
@@ -178,7 +178,7 @@ def _placeholders(plan: fxshard.ShardPlan) -> dict[object, str]:
     """Run-dependent values in graphs: the plan table's and the units' ids
     (hashes of content that names process groups), and the process groups'
     names, which count the groups the process made before."""
-    names: dict[object, str] = {plan.root.table.id: "<plan>"}
+    names: dict[object, str] = {runtime.state(plan).table.id: "<plan>"}
     if plan.units is not None and plan.units.id is not None:
         names[plan.units.id] = "<units>"
     names[dist.group.WORLD.group_name] = "<world_group>"
@@ -197,7 +197,7 @@ def render(model: torch.nn.Module) -> str:
     # replicas), which parameters each unit index names, and what forward
     # keeps for backward. Then each graph at stage 1, captured with fxshard's
     # markers (see fxshard/passes/README.md), and at stage 3, rewritten.
-    table = plan.root.table
+    table = runtime.state(plan).table
     lines = ["## params", *(f"{i}: {p.describe()}; rank 0 holds {rows} rows"
                             for i, (p, rows) in enumerate(zip(table.params, table.local_rows)))]  # fmt: skip
     lines += ["", "## units", *(f"{u.index}: {', '.join(u.names)}" for u in plan.units.units), ""]

@@ -16,7 +16,7 @@ import fxshard
 from examples.llama import lm_loss
 from fxshard import plan as plan_module
 from fxshard.runtime.collectives import gather_many, reduce_many
-from tests.helpers import models
+from tests.helpers import models, runtime
 from tests.helpers.distributed import check_results, run_ranks
 
 
@@ -27,7 +27,7 @@ def test_plan_is_dumped(fake_pg, tmp_path):
     fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path, reshard_after_forward=False)
     text = (tmp_path / "rank0" / "plan.txt").read_text()
     # "<index> <name> ...": graphs' markers name each parameter by its index.
-    head, _, by_index = text.partition(f"plan {model.fxshard_plan.root.table.id}, by index:\n")
+    head, _, by_index = text.partition(f"plan {runtime.state(model).table.id}, by index:\n")
     assert head.startswith("parameters: ")  # the counts per kind first
     numbered = [line.split(maxsplit=2) for line in by_index.splitlines()]
     lines = {name: line for _, name, line in numbered}
@@ -78,12 +78,12 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
     model = fxshard.compile(models.TinyLlama(tie=False), backend="aot_eager", zero_stage=1)
     plan = model.fxshard_plan
     assert plan.zero_stage == 1 and all(p.kept and p.lifetime.value == "always" for p in plan.params)
-    kept = plan.root.shards.kept
+    kept = runtime.state(plan).shards.kept
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     tokens = torch.randint(0, 37, (2, 9))
 
     def copies_match() -> None:
-        params = plan.root.shards.parameters()
+        params = runtime.state(plan).shards.parameters()
         for i in kept.specs:
             torch.testing.assert_close(kept.full[i], params[i].full_tensor(), atol=0, rtol=0)
 
@@ -110,10 +110,10 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
     # Without sync the full gradients are kept, not reduced, and nothing is gathered again.
     model.set_requires_gradient_sync(False)
     lm_loss(model(tokens), tokens).backward()
-    assert kept.gathers == 5 and set(kept.specs) <= set(plan.root.store.grads)
+    assert kept.gathers == 5 and set(kept.specs) <= set(runtime.state(plan).store.grads)
     model.set_requires_gradient_sync(True)
     lm_loss(model(tokens), tokens).backward()
-    assert kept.gathers == 5 and not plan.root.store.grads
+    assert kept.gathers == 5 and not runtime.state(plan).store.grads
 
 
 def test_coalesced_collectives_take_empty_and_one_dimensional_parameters(fake_pg):
@@ -189,7 +189,7 @@ def test_accumulation_without_sync_compiles_one_graph_per_phase(fake_pg):
     assert len([x for x in flush.backward.graph.nodes if x.target == TAKE_ACCUMULATED]) == n
     assert flush.reports["backward"].count("reduce") == n
     assert "(accumulated: no collective)" in accumulate.collectives[0]
-    assert not model.fxshard_plan.root.pending()
+    assert not runtime.state(model).pending()
     _micro_step(model, True)  # no accumulation before it: the plain graph
     assert len(model.fxshard_plan.graphs) == 3
     assert model.fxshard_plan.graphs[2].reports["backward"].count("reduce") == n
@@ -237,7 +237,7 @@ def _leftovers(rank: int, world_size: int) -> dict:
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), refs[name].grad, atol=2e-5, rtol=1e-4, msg=name)
-    assert not model.fxshard_plan.root.pending()
+    assert not runtime.state(model).pending()
     return {}
 
 
@@ -262,7 +262,7 @@ def _reset_between(rank: int, world_size: int, set_to_none: bool) -> dict:
         expected = refs[name].grad if refs[name].grad is not None else torch.zeros_like(refs[name])
         got = p.grad.full_tensor() if p.grad is not None else torch.zeros_like(refs[name])
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=name)
-    assert not model.fxshard_plan.root.pending()
+    assert not runtime.state(model).pending()
     opt.step()
     return {}
 

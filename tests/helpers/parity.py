@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fxshard
 from examples.llama import lm_loss
-from tests.helpers import models
+from tests.helpers import models, runtime
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -571,7 +571,7 @@ def routed_experts_check(rank: int, world_size: int) -> dict:
     parameters; they still issue the same collectives and match the reference."""
     model = train_and_compare(rank, world_size, SCENARIOS["routed_experts"])["model"]
     seen: list = [None] * world_size
-    dist.all_gather_object(seen, (model.experts_used, model.fxshard_plan.root.sequencer.gathers))
+    dist.all_gather_object(seen, (model.experts_used, runtime.state(model).sequencer.gathers))
     if world_size > 1:
         assert len({tuple(s) for s, _ in seen}) > 1, f"every rank chose the same experts: {seen}"
     assert len({n for _, n in seen}) == 1, f"ranks issued different numbers of gathers: {seen}"
