@@ -85,7 +85,6 @@ class Topology:
     replicas: Replicas | None
     world: Group
     _shard_mesh: DeviceMesh
-    _world_mesh: DeviceMesh
 
     @staticmethod
     def from_mesh(mesh: DeviceMesh) -> Topology:
@@ -116,8 +115,7 @@ class Topology:
         replicas = None
         if mesh.ndim == 2 and mesh.size(0) > 1:
             replicas = Replicas(mesh.size(0), mesh.get_group(0).group_name)
-        world_mesh = compat.flat_mesh(mesh)
-        return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(world_mesh), shard_mesh, world_mesh)
+        return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(compat.flat_mesh(mesh)), shard_mesh)
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -134,7 +132,7 @@ class Topology:
         """The group the reduce-scatters run on: the shard group's ranks again,
         on a communicator (an NCCL stream) of their own, so that they overlap
         the all-gathers of the backward."""
-        return self.shard.name if self.shard.size == 1 else self._side_group("reduce").group_name
+        return self.shard.name if self.shard.size == 1 else self._shard_side_group("reduce").group_name
 
     def count_group(self) -> str:
         """A CPU group over the shard group's ranks, on which sharded embedding
@@ -145,7 +143,7 @@ class Topology:
             return ""
         if self.shard.backend == "gloo":
             return self.shard.name
-        return self._side_group("count", backend="gloo").group_name
+        return self._shard_side_group("count", backend="gloo").group_name
 
     def check_groups(self) -> list[tuple[list[str], Any]]:
         """For FXSHARD_CHECK_COLLECTIVES (see [Note: checked collectives]):
@@ -153,9 +151,11 @@ class Topology:
         same ranks that compares them first. Empty where nothing moves."""
         if not self.shard.moves_data:
             return []
-        checked = [([self.shard.name, self.reduce_group()], self._side_group("check", backend="gloo"))]
+        checked = [([self.shard.name, self.reduce_group()], self._shard_side_group("check", backend="gloo"))]
         if self.replicas is not None:
-            checked.append(([self.replicas.group_name], self._replica_check_group()))
+            # Each column of the mesh: this rank's replicate group's ranks.
+            columns = self.mesh.mesh.reshape(self.mesh.mesh.shape[0], -1).t().tolist()
+            checked.append(([self.replicas.group_name], _side_group(self.mesh.get_group(0), "check", columns, "gloo")))
         return checked
 
     def agreement(self, what: str = "graphs") -> rank_checks.GraphAgreement | None:
@@ -169,30 +169,23 @@ class Topology:
         return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/{what}/{self.world.name}/{n}",
                                           self.world.rank, self.world.size)  # fmt: skip
 
-    def _side_group(self, kind: str, backend: str | None = None) -> Any:
-        """The ``kind`` group over the ranks of this rank's shard group: the
-        one made for an earlier compile while it lives, else a new one.
-        ``new_group`` is collective over all ranks, so every rank makes the
-        side group of every replica's shard ranks, in mesh order, and keeps its own."""
-        made = _SIDE_GROUPS.setdefault(self.shard.pg, {})
-        side = made.get(kind)
-        if side is None or not compat.group_is_live(side):
-            rank = dist.get_rank()
-            for ranks in self.mesh.mesh.reshape(-1, self.mesh.mesh.shape[-1]).tolist():
-                group = dist.new_group(ranks, backend=backend)
-                if rank in ranks:
-                    side = made[kind] = group
-        return side
+    def _shard_side_group(self, kind: str, backend: str | None = None) -> Any:
+        """The ``kind`` group over the ranks of this rank's shard group (a row of the mesh)."""
+        rows = self.mesh.mesh.reshape(-1, self.mesh.mesh.shape[-1]).tolist()
+        return _side_group(self.shard.pg, kind, rows, backend)
 
-    def _replica_check_group(self) -> Any:
-        """A gloo group over the ranks of this rank's replicate group (a
-        column of the mesh), made once per replicate group as ``_side_group`` does."""
-        made = _SIDE_GROUPS.setdefault(self.mesh.get_group(0), {})
-        side = made.get("check")
-        if side is None or not compat.group_is_live(side):
-            rank = dist.get_rank()
-            for ranks in self.mesh.mesh.reshape(self.mesh.mesh.shape[0], -1).t().tolist():
-                group = dist.new_group(ranks, backend="gloo")
-                if rank in ranks:
-                    side = made["check"] = group
-        return side
+
+def _side_group(key: Any, kind: str, rank_lists: list[list[int]], backend: str | None) -> Any:
+    """The ``kind`` group beside process group ``key`` over the ranks of
+    this rank's list: the one made for an earlier compile while it lives,
+    else a new one. ``new_group`` is collective over all ranks, so every
+    rank makes the group of every list, in mesh order, and keeps its own."""
+    made = _SIDE_GROUPS.setdefault(key, {})
+    side = made.get(kind)
+    if side is None or not compat.group_is_live(side):
+        rank = dist.get_rank()
+        for ranks in rank_lists:
+            group = dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                side = made[kind] = group
+    return side
