@@ -157,7 +157,7 @@ def build(system: str, spec, mesh) -> torch.nn.Module:
     if FROZEN_LAYERS:
         embed = model.embed if hasattr(model, "embed") else model.get_input_embeddings()
         embed.requires_grad_(False)
-        for layer in blocks[:FROZEN_LAYERS]:
+        for layer in list(blocks.children())[:FROZEN_LAYERS]:
             layer.requires_grad_(False)
     if system in REFERENCE:
         if dist.get_world_size() != 1:
@@ -171,10 +171,10 @@ def build(system: str, spec, mesh) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, block in enumerate(blocks):
+    for key, block in list(blocks.named_children()):  # a ModuleList or, as torchtitan's, a ModuleDict
         if system == "fsdp2_compile":
             block = torch.compile(block)
-            blocks.register_module(str(i), block)
+            blocks.register_module(key, block)
         fully_shard(block, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
     fully_shard(model, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
     return model

@@ -75,6 +75,10 @@ ROWS = [
     *(Row(f"{m} b{b}", m, b) for m in ("375m", "1b", "8b") for b in (1, 4)),
     Row("moe b2", "moe", 2),
     Row("hybrid b2", "hybrid", 2),
+    # torchtitan's own model code at its own flavours; FSDP2 + compile is torchtitan's setup.
+    Row("tt_llama3_1b b2", "tt_llama3_1b", 2),
+    Row("tt_qwen3_moe b4", "tt_qwen3_moe", 4),
+    Row("tt_dsv3 b4", "tt_dsv3", 4),
     # Optimizers.
     Row("1b b4 adamw_fused", "1b", 4, optimizer="adamw_fused"),
     Row("1b b4 sgd", "1b", 4, optimizer="sgd"),

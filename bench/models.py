@@ -7,7 +7,15 @@
 - ``hybrid``: tests/helpers/models.py's Hybrid at benchmark size: attention blocks,
   Mamba-style blocks that read their conv's weight directly and pass a weight
   to a custom op, and grouped-expert MoE layers, in one graph.
-- ``tiny``, ``moe_tiny``, ``hybrid_tiny``: the same code at test size, for a
+- ``tt_llama3_1b``, ``tt_qwen3_moe``, ``tt_dsv3``: torchtitan's own model code
+  (tests/torchtitan/) at its own flavours: Llama 3 ``1B`` (tied embedding),
+  Qwen3 ``debugmodel_moe`` (64 experts, top-8) and DeepSeek-V3 ``debugmodel``
+  (MLA, 8 experts, top-3, 2 shared), built and initialized as torchtitan's
+  trainer does (``init_weights``), with SDPA in place of flex attention (as
+  torchtitan's graph trainer tests do). They take packed tokens. FSDP2's
+  systems here are torchtitan's own setup: each block compiled, then
+  ``fully_shard`` per block and on the root.
+- ``tiny``, ``moe_tiny``, ``hybrid_tiny``, ``tt_tiny``: the same code at test size, for a
   smoke test on CPU (``--device cpu``).
 
 FLOPs per token are 6 x the parameters a token passes through (OLMoE: the
@@ -92,6 +100,41 @@ def _hybrid(batch: int, warmup: int, steps: int, seq: int, **sizes) -> ModelSpec
     )  # fmt: skip
 
 
+def _torchtitan(model: str, flavour: str, batch: int, warmup: int, steps: int, seq: int) -> ModelSpec:
+    from tests.torchtitan.configs import flavour_config, init
+
+    config = flavour_config(model, flavour, seq_len=seq)
+    layers = len(config.layers)
+
+    def make() -> nn.Module:
+        module = config.build()
+        module.verify_module_protocol()
+        return init(module)  # the model's own init_weights, as torchtitan's trainer runs it
+
+    def flops(module: nn.Module) -> float:
+        params = sum(p.numel() for p in module.parameters())
+        experts = [(n, p) for n, p in module.named_parameters() if ".routed_experts." in n]
+        # each routed expert tensor is [experts, ...]: a token passes through top_k of them
+        active = params - sum(p.numel() * (1 - _top_k(module, n) / p.shape[0]) for n, p in experts)
+        return 6 * active + 6 * layers * seq * config.dim
+
+    def loss(module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        batch, length = tokens.shape
+        positions = torch.arange(length, device=tokens.device).repeat(batch)
+        logits = module(tokens.reshape(-1), positions).view(batch, length, -1)
+        return lm_loss(logits.float(), tokens)
+
+    return ModelSpec(
+        make=make, vocab=config.vocab_size, seq=seq, batch=batch, warmup=warmup, steps=steps,
+        blocks=lambda m: m.layers, loss=loss, flops_per_token=flops,
+    )  # fmt: skip
+
+
+def _top_k(module: nn.Module, name: str) -> int:
+    layer = module.get_submodule(name.split(".moe.")[0])
+    return layer.moe.router.top_k
+
+
 SEQ = 2048
 MODELS: dict[str, Callable[[], ModelSpec]] = {
     "375m": lambda: _llama(LlamaConfig(vocab=32768, dim=1024, layers=24, heads=16, hidden=2816, max_len=SEQ,
@@ -105,10 +148,14 @@ MODELS: dict[str, Callable[[], ModelSpec]] = {
                           max_position_embeddings=1024),
     "hybrid": lambda: _hybrid(2, 4, 12, SEQ, vocab=32768, dim=1024, heads=16, pattern="amx" * 8, mlp_hidden=2816,
                               mamba_inner=2048, experts=8, expert_hidden=1024, top_k=2),
+    "tt_llama3_1b": lambda: _torchtitan("llama3", "1B", 2, 4, 12, SEQ),
+    "tt_qwen3_moe": lambda: _torchtitan("qwen3", "debugmodel_moe", 4, 4, 12, SEQ),
+    "tt_dsv3": lambda: _torchtitan("deepseek_v3", "debugmodel", 4, 4, 12, SEQ),
     "tiny": lambda: _llama(LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=64,
                                        tie_embeddings=False), 1, 1, 2),
     "moe_tiny": lambda: _olmoe(1, 1, 2, vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
                                num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                max_position_embeddings=64),
     "hybrid_tiny": lambda: _hybrid(1, 1, 2, 64, vocab=41, dim=20, heads=2, pattern="amx"),
+    "tt_tiny": lambda: _torchtitan("deepseek_v3", "tiny", 1, 1, 2, 32),
 }  # fmt: skip

@@ -99,13 +99,13 @@ def _build(name: str, device: str = "meta") -> torch.nn.Module:
     return model
 
 
-def check_model(rank: int, world_size: int, name: str, backend: str) -> None:
+def check_model(rank: int, world_size: int, name: str, backend: str, device: str = "cpu") -> dict:
     model = _build(name)  # on the meta device
     fxshard.compile(model, backend=backend)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     torch.manual_seed(0)
     configs.init(model)
-    ref = _build(name, device="cpu")
+    ref = _build(name, device=device)
     torch.manual_seed(0)
     configs.init(ref)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -124,22 +124,27 @@ def check_model(rank: int, world_size: int, name: str, backend: str) -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     moe = name.partition("+")[0] in MOE
     steps = 1 if moe and backend == "inductor" else 3
-    tolerance = 1e-3 if moe else 2e-5  # MoE experts compute in bf16 (see the module docstring)
+    # MoE experts compute in bf16 (see the module docstring); CUDA's fp32 kernels round differently
+    # from Inductor's fused ones by more than the CPU's do.
+    tolerance = 1e-3 if moe else 2e-5 if device == "cpu" else 1e-4
+    worst_seen = 0.0
     for step in range(steps):
         batches = [
-            configs.make_batch(configs.VOCAB[name.partition("+")[0]], seed=10 * step + r) for r in range(world_size)
+            configs.make_batch(configs.VOCAB[name.partition("+")[0]], seed=10 * step + r, device=device)
+            for r in range(world_size)
         ]
         tokens, positions, labels = batches[rank]
         loss = F.cross_entropy(model(tokens, positions).float(), labels)
         loss.backward()
         ref_loss = sum(F.cross_entropy(ref(t, p).float(), lab) for t, p, lab in batches) / world_size
         ref_loss.backward()
-        losses = [torch.zeros(()) for _ in range(world_size)]
+        losses = [torch.zeros((), device=device) for _ in range(world_size)]
         dist.all_gather(losses, loss.detach())
         torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), atol=1e-5, rtol=1e-5)
         worst, one_sided = _grad_error(model, ref)
         assert not one_sided, f"{name}@{backend} step {step}: a gradient on one side only: {one_sided}"
         assert worst <= tolerance, f"{name}@{backend} step {step}: gradients off by {worst:.2e} of the largest"
+        worst_seen = max(worst_seen, worst)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     plan = model.fxshard_plan
     if name in ("llama3", "llama3_tied"):  # complex RoPE and all: its layers are outlined, not left inline
@@ -150,6 +155,7 @@ def check_model(rank: int, world_size: int, name: str, backend: str) -> None:
     assert sharded <= set(plan.units.unit_of), (
         f"{name}: weights in no unit: {sorted(sharded - set(plan.units.unit_of))}"
     )
+    return {"grad_error": worst_seen, "steps": steps}
 
 
 def _experts_route(model: torch.nn.Module, batches: list) -> list[torch.Tensor]:
@@ -221,17 +227,20 @@ def check_bf16_at_own_weights(rank: int, world_size: int, name: str, backend: st
 
 
 def run_models(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
-    errors = {}
+    """Each case's failure, keyed ``name@backend``, and the measured gradient
+    error of each that passed under ``"measured"``. On NCCL, rank r trains on GPU r."""
+    device = f"cuda:{rank}" if dist.get_backend() == "nccl" else "cpu"
+    errors, measured = {}, {}
     for name, backend in cases:
         try:
             if name.endswith("+bf16"):
                 check_bf16_at_own_weights(rank, world_size, name.removesuffix("+bf16"), backend)
             else:
-                check_model(rank, world_size, name, backend)
+                measured[f"{name}@{backend}"] = check_model(rank, world_size, name, backend, device)
         except Exception as error:  # every case reports; one failure does not hide the others
             errors[f"{name}@{backend}"] = f"{type(error).__name__}: {error}"
         torch._dynamo.reset()
-    return errors
+    return {**errors, "measured": measured}
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +256,28 @@ def test_torchtitan_model(outcomes, case):
     key = f"{case[0]}@{case[1]}"
     failures = [f"rank {r}: {res[key]}" for r, res in enumerate(outcomes) if key in res]
     assert not failures, "\n".join(failures)
+
+
+# On 2 GPUs (NCCL): every model under both backends, and whole-block checkpointing.
+GPU_CASES = [
+    (name, backend) for name in ("llama3", "llama3_tied", "qwen3", *MOE) for backend in ("aot_eager", "inductor")
+]
+GPU_CASES.append(("llama3+full_ac", "inductor"))
+
+
+@pytest.fixture(scope="module")
+def gpu_outcomes(request):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = run_ranks(2, run_models, selected(request, "gpu_case"), timeout=900, backend="nccl")
+    check_results(results)
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_case", GPU_CASES, ids=lambda c: f"{c[0]}@{c[1]}")
+def test_torchtitan_model_gpu(gpu_outcomes, gpu_case):
+    key = f"{gpu_case[0]}@{gpu_case[1]}"
+    failures = [f"rank {r}: {res[key]}" for r, res in enumerate(gpu_outcomes) if key in res]
+    assert not failures, "\n".join(failures)
+    print(f"{key}: gradients within {gpu_outcomes[0]['measured'][key]['grad_error']:.1e} of the largest")

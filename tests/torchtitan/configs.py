@@ -261,6 +261,23 @@ CONFIGS: dict[str, Callable[..., object]] = {
     "deepseek_v3": deepseek_v3_config,
 }
 NAMES = tuple(CONFIGS)
+
+
+def flavour_config(model: str, flavour: str, seq_len: int | None = SEQ_LEN) -> object:
+    """torchtitan's own flavour of ``model`` (``"llama3"``, ``"qwen3"``,
+    ``"deepseek_v3"``), e.g. ``llama3_configs["1B"]``, with SDPA attention over
+    sequences of ``seq_len``; ``flavour="tiny"`` is this file's test size."""
+    from .models.deepseek_v3 import deepseekv3_configs
+    from .models.llama3 import llama3_configs
+    from .models.qwen3 import qwen3_configs
+
+    if flavour == "tiny":
+        return CONFIGS[model](seq_len=seq_len)
+    flavours = {"llama3": llama3_configs, "qwen3": qwen3_configs, "deepseek_v3": deepseekv3_configs}[model]
+    moe = {"moe_comm_backend": "standard"} if model == "deepseek_v3" else {}
+    return _with_attention(flavours[flavour](attn_backend="flex", **moe), "sdpa", seq_len)
+
+
 VOCAB = {"llama3": 131, "llama3_tied": 131, "qwen3": 127, "qwen3_tied": 127, "qwen3_moe": 127, "deepseek_v3": 129}
 
 
