@@ -351,3 +351,10 @@ def __getattr__(name: str):
         globals()["BaseLoss"] = BaseLoss
         return BaseLoss
     raise AttributeError(name)
+
+
+# torch.distributed.fsdp.DataParallelMeshDims (torch >= 2.12); the MTP code only annotates with it.
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11
+    DataParallelMeshDims = Any

@@ -12,7 +12,7 @@ from typing import Any
 from ..._stubs import spmd_types as spmd
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims
+from ..._stubs import DataParallelMeshDims
 
 from ..._stubs import (
     BaseLoss,
