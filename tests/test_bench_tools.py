@@ -163,10 +163,17 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
     assert "skipped: needs 4 GPUs" in hsdp
     (tmp_path / "m.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
-    readme.write_text(f"head\n{matrix.README_START}\nold\n{matrix.README_END}\ntail\n")
+    readme.write_text(
+        "head\n<!-- bench-table:start -->\nold\n<!-- bench-table:end -->\n"
+        "mid\n<!-- bench-table:2gpu:start -->\nkept\n<!-- bench-table:2gpu:end -->\ntail\n"
+    )
     matrix.write_readme(readme, matrix.markdown(data), "m.json")
     text = readme.read_text()
     assert "old" not in text and text.startswith("head\n") and text.endswith("tail\n") and dense in text
+    assert "kept" in text  # the other table's markers are another table's
+    matrix.write_readme(readme, "new", "m2.json", "2gpu")
+    text = readme.read_text()
+    assert "kept" not in text and "\nnew\n" in text and "--table-name 2gpu" in text and dense in text
 
 
 def test_matrix_repeats_interleave_and_keep_the_median_run(monkeypatch, tmp_path):
@@ -186,14 +193,17 @@ def test_matrix_repeats_interleave_and_keep_the_median_run(monkeypatch, tmp_path
     assert matrix.cell(ours).startswith("70.0 ms (70.0-90.0 over 2 runs)")
 
 
-def test_readme_table_is_the_one_generated_from_the_results():
+@pytest.mark.parametrize("source, name", [("matrix.json", None), ("matrix-2gpu.json", "2gpu")])
+def test_readme_table_is_the_one_generated_from_the_results(source, name):
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "bench" / "results" / "matrix.json").read_text())
+    data = json.loads((root / "bench" / "results" / source).read_text())
     readme = (root / "README.md").read_text()
-    table = readme.split(matrix.README_START, 1)[1].split(matrix.README_END, 1)[0]
+    key = f"bench-table:{name}" if name else "bench-table"
+    table = readme.split(f"<!-- {key}:start -->", 1)[1].split(f"<!-- {key}:end -->", 1)[0]
+    flag = f" --table-name {name}" if name else ""
     assert matrix.markdown(data) in table, (
-        "README.md's benchmark table is not bench/results/matrix.json's; regenerate it: "
-        "python bench/matrix.py --table bench/results/matrix.json --readme README.md"
+        f"README.md's benchmark table is not bench/results/{source}'s; regenerate it: "
+        f"python bench/matrix.py --table bench/results/{source} --readme README.md{flag}"
     )
 
 
