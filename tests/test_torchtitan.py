@@ -52,6 +52,9 @@ CASES = [
     pytest.param(("qwen3_moe+full_ac", "aot_eager"), marks=pytest.mark.full_cpu),
     ("deepseek_v3+bf16", "aot_eager"),
 ]
+# Models whose init draws only through in-place fills of their parameters, so that on CUDA too
+# it equals the unsharded model's (the others draw into DTensors: see _check_drawn_alike).
+INIT_EQUAL_ON_CUDA = ("deepseek_v3",)
 REDRAWN = 0.01  # at most this fraction of a weight's values may differ from the unsharded init
 
 
@@ -127,7 +130,7 @@ def check_model(rank: int, world_size: int, name: str, backend: str, device: str
     configs.init(ref)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     for n, q in ref.named_parameters():
-        if device == "cpu":
+        if device == "cpu" or name.partition("+")[0] in INIT_EQUAL_ON_CUDA:
             differ = (full[n] != q).float().mean().item()
             assert differ <= REDRAWN, f"{name}: {n} differs from the unsharded init at {differ:.1%} of its values"
         else:
