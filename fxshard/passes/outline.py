@@ -268,21 +268,45 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
         weights.extend([param_of(i).fqn for i in block.inputs if is_unshard(i)] for block in members)
         bodies.append([b.name for b in members])
     renamed: dict[fx.Node, fx.Node] = {}  # a replaced block's outputs -> their getitems
+    resolved: dict[fx.Node, fx.Node] = {}  # an input with a lazy bit -> it resolved, once for every call
     order = {n: i for i, n in enumerate(graph.nodes)}
     for block, body_name in sorted(outlined, key=lambda bb: order[bb[0].nodes[0]]):
         block.inputs = [renamed.get(i, i) for i in block.inputs]
-        renamed.update(_replace(graph, block, body_name))
+        renamed.update(_replace(graph, block, body_name, [_resolved(graph, i, resolved) for i in block.inputs]))
     graph.lint()
     gm.recompile()
     return Recorded(gm, OutlineRecord(bodies, sorted(inline), weights))
 
 
-def _replace(graph: fx.Graph, block: _Block, body_name: str) -> dict[fx.Node, fx.Node]:
-    """Replace ``block`` by a call of ``body_name``; returns its outputs' getitems."""
+def _resolved(graph: fx.Graph, node: fx.Node, done: dict[fx.Node, fx.Node]) -> fx.Node:
+    """``node``, or, where its value has a lazy conjugate or negative bit,
+    its value resolved (``torch.resolve_conj``, ``torch.resolve_neg``) right
+    after it: torch has no ``invoke_subgraph`` kernel for a tensor with
+    either bit ("... at dispatch key Conjugate" / "Negative"). A body's
+    inputs are placeholders, which see the value, not the bit, so the body
+    is the same either way. What backward saves is resolved later
+    (``resolve_call_inputs_pass``)."""
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor) or not (value.is_conj() or value.is_neg()):
+        return node
+    if node not in done:
+        with graph.inserting_after(node):
+            conj = graph.call_function(torch.resolve_conj, (node,))
+        with graph.inserting_after(conj):
+            neg = graph.call_function(torch.resolve_neg, (conj,))
+        conj.meta["example_value"] = value.resolve_conj()
+        neg.meta["example_value"] = conj.meta["example_value"].resolve_neg()
+        done[node] = neg
+    return done[node]
+
+
+def _replace(graph: fx.Graph, block: _Block, body_name: str, args: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Replace ``block`` by a call of ``body_name`` on ``args`` (its inputs,
+    or values equal to them); returns its outputs' getitems."""
     with graph.inserting_after(block.nodes[-1]):
         body = graph.get_attr(body_name)
     with graph.inserting_after(body):
-        call = graph.call_function(_HOP, (body, body_name, *block.inputs))
+        call = graph.call_function(_HOP, (body, body_name, *args))
     call.meta["example_value"] = tuple(example_value(o) for o in block.outputs)
     members = set(block.nodes)
     items: dict[fx.Node, fx.Node] = {}
