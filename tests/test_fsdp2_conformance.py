@@ -256,12 +256,11 @@ def double_forward_nested_checkpoint(rank: int, ws: int) -> None:
     def units(m: nn.Module) -> list[nn.Module]:
         return [u for layer in m.layers for u in (layer.attention, layer.feed_forward, layer)]
 
-    # sharded_embeddings=False: with the position table's lookups sharded, this scenario aborted a rank with
-    # "malloc(): unaligned tcache chunk detected" in about 1 of 4 fresh runs on gloo (0 of 8 without them;
-    # docs/limits.md: "three heap corruptions on CPU ... are unexplained"), taking every other
-    # scenario of the run down with it.
+    # With the position table's lookups sharded, this scenario once aborted a rank with "malloc(): unaligned
+    # tcache chunk detected" in about 1 of 4 runs on gloo; not since gloo's gathers wait where they are
+    # issued ([Note: gloo gathers in place] in fxshard/passes/pipeline.py; 0 of 14 runs, then 0 of 4).
     parity(model, lambda s, i, r: (*_tokens(64, 2, 32)(s, 0, r), *_tokens(64, 2, 32)(s, 1, r)), fwd_bwd=fwd_bwd,
-           units=units, sharded_embeddings=False)  # fmt: skip
+           units=units)  # fmt: skip
 
 
 def double_partial_forward_then_backward(rank: int, ws: int) -> None:

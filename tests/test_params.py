@@ -146,7 +146,9 @@ def init_through_shards_check(rank: int, world_size: int) -> dict:
     inits = [lambda p: nn.init.normal_(p, std=0.02), lambda p: nn.init.uniform_(p, -0.1, 0.1),
              lambda p: nn.init.kaiming_uniform_(p, a=math.sqrt(5)) if p.dim() > 1 else nn.init.zeros_(p),
              lambda p: nn.init.xavier_normal_(p) if p.dim() > 1 else nn.init.ones_(p),
-             lambda p: nn.init.trunc_normal_(p, std=0.02)]  # fmt: skip
+             lambda p: nn.init.trunc_normal_(p, std=0.02),
+             lambda p: p.data.normal_(0, 0.02),  # through .data (once drew alike on every CPU rank)
+             lambda p: nn.init.normal_(p.data, std=0.02)]  # fmt: skip
     torch.manual_seed(0)
     model = models.TinyLlama(tie=False).to(_device())
     ref = copy.deepcopy(model)

@@ -56,8 +56,13 @@ class ShardParameter(DTensor):
     def data(self) -> torch.Tensor:
         # A detached alias sharing the version counter (torch's ``.data`` has
         # its own), so that a write through ``p.data`` is a change that
-        # ZeRO-1's copies and held gathered values see.
-        return self.detach()
+        # ZeRO-1's copies and held gathered values see; of this class, so that
+        # ``p.data.normal_()`` draws as ``p.normal_()`` does (see [Note:
+        # random init through the shards]: as a plain DTensor, every CPU rank
+        # drew the same rows) and ``p.data.copy_(full)`` takes a full tensor.
+        alias = self.detach()
+        alias.__class__ = ShardParameter
+        return alias
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
