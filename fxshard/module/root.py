@@ -197,6 +197,7 @@ class RootState:
                 out = base.__call__(module, *args, **kwargs)
         except Exception as error:
             if not compat.is_user_error(error):
+                self._note_mixed_precision(error)
                 return self._on_graph_break(error, module, base, args, kwargs)
             failed = error
         else:
@@ -241,5 +242,19 @@ class RootState:
         except Exception as error:
             error.add_note(f"fxshard: raised by the model's forward, run uncompiled after dynamo stopped at it "
                            f"({compat.graph_break_reason(failed)})")  # fmt: skip
+            self._note_mixed_precision(error)
             raise
         raise failed
+
+    def _note_mixed_precision(self, error: Exception) -> None:
+        """A dtype mismatch under mixed precision: FSDP2 casts each
+        fully_shard module's inputs, fxshard the root call's only, so a
+        tensor made inside the model meets a cast weight uncast
+        (docs/limits.md). Torch's message names neither cause nor fix."""
+        if self.input_dtype is not None and isinstance(error, RuntimeError) and "dtype" in str(error):
+            error.add_note(
+                f"fxshard: mixed precision casts the root call's floating-point inputs to {self.input_dtype}, "
+                "not each unit's or module's inputs as FSDP2 does: a tensor made inside the model (a buffer, "
+                f"a new tensor) reaches a {self.input_dtype} weight in its own dtype. Cast it where the model "
+                "makes it (x.to(weight.dtype))"
+            )
