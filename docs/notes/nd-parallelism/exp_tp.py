@@ -1,3 +1,9 @@
+"""TP (parallelize_module) under an FSDP-style unshard/reduce marker, compiled.
+
+    python exp_tp.py                             # plain
+    python exp_tp.py --checkpoint                # the MLP under activation checkpointing
+    python exp_tp.py --checkpoint --input-grad   # and an input that requires grad
+"""
 import os, sys, torch, torch.nn as nn, torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,6 +41,8 @@ class MLP(nn.Module):
     def __init__(s):
         super().__init__(); s.a = nn.Linear(8, 16, bias=False); s.b = nn.Linear(16, 8, bias=False)
     def forward(s, x):
+        if "--checkpoint" in sys.argv:  # the whole region under activation checkpointing
+            return torch.utils.checkpoint.checkpoint(lambda y: s.b(torch.relu(s.a(y))), x, use_reentrant=False)
         return s.b(torch.relu(s.a(x)))
 
 def swap(mod, name, param, dp_mesh, key):
@@ -76,6 +84,8 @@ def main(rank, world):
     torch.manual_seed(1)
     x = torch.randn(4, 3, 8)
     xl = x.chunk(2, 0)[mesh["dp"].get_local_rank()]  # dp splits batch; tp ranks same batch
+    if "--input-grad" in sys.argv:  # an input that requires grad, as inside a checkpointed region
+        xl = xl.clone().requires_grad_()
     cm = torch.compile(model, backend=backend, fullgraph=True)
     out = cm(xl); loss = out.sum(); loss.backward()
     ref(x).sum().backward()
