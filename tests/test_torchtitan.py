@@ -280,7 +280,10 @@ def outcomes(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}@{c[1]}")
 def test_torchtitan_model(outcomes, case):
-    key = f"{case[0]}@{case[1]}"
+    _check_case(outcomes, f"{case[0]}@{case[1]}")
+
+
+def _check_case(outcomes: list[dict], key: str) -> None:
     failures = [f"rank {r}: {res[key]}" for r, res in enumerate(outcomes) if key in res]
     assert not failures, "\n".join(failures)
 
@@ -305,8 +308,7 @@ def gpu_outcomes(request):
 @pytest.mark.parametrize("gpu_case", GPU_CASES, ids=lambda c: f"{c[0]}@{c[1]}")
 def test_torchtitan_model_gpu(gpu_outcomes, gpu_case):
     key = f"{gpu_case[0]}@{gpu_case[1]}"
-    failures = [f"rank {r}: {res[key]}" for r, res in enumerate(gpu_outcomes) if key in res]
-    assert not failures, "\n".join(failures)
+    _check_case(gpu_outcomes, key)
     measured = gpu_outcomes[0]["measured"].get(key)  # the bf16 case prints its own evidence
     if measured is not None:
         print(f"{key}: gradients within {measured['grad_error']:.1e} of the largest")
