@@ -98,7 +98,7 @@ def test_kept_unit_saves_its_small_members_as_copies(fake_pg):
               and _view_base(a.args[0]) is wait]  # fmt: skip
     norm, out = last.members
     assert views and all(n == out.numel for n in views)
-    assert copies == [torch.Size(norm.info.shape)]
+    assert copies == [torch.Size(norm.param.shape)]
 
 
 def test_one_collective_per_unit(fake_pg):
@@ -128,13 +128,13 @@ def test_local_shards_start_their_slots(fake_pg):
     assert len(units.units) > 2
     for unit in units.units:
         for m, slot in zip(unit.members, unit.slots):
-            local = m.info.local()
+            local = m.param.shard.local()
             assert local.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
             assert local.storage_offset() == slot.storage_offset() == 0 and slot.numel() == m.slot
         assert unit.shard_slots() is unit.slots
     named = dict(model.named_parameters())
     member = units.units[0].members[0]
-    assert named[member.info.fqn].to_local().data_ptr() == member.info.local().data_ptr()
+    assert named[member.param.fqn].to_local().data_ptr() == member.param.shard.local().data_ptr()
 
 
 def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
@@ -602,13 +602,13 @@ def test_units_id_names_the_layout():
     """Compiled graphs name their Units by id, and torch caches them on disk:
     the id depends on the layout only, never on what the process built before,
     and two live Units of one layout get two ids."""
-    from fxshard.runtime.units import ParamInfo, Units
+    from fxshard.runtime.units import Units
+    from tests.helpers import records
 
     def units(*shapes):
-        infos = [ParamInfo(f"w{i}", shape, shape[0] // 2, torch.float32, torch.float32, torch.float32,
-                           torch.device("cpu"), lambda: None, lambda t: None) for i, shape in enumerate(shapes)]  # fmt: skip
-        u = Units(infos, 2, "0", "1")
-        u.form(form_units(u.params, [info.fqn for info in infos], unit_bytes=2**20))
+        params = [records.param(i, f"w{i}", shape, shape[0] // 2) for i, shape in enumerate(shapes)]
+        u = Units(params, 2, "0", "1")
+        u.form(form_units(u.params, [p.fqn for p in params], unit_bytes=2**20))
         return u
 
     a = units((4, 3), (6, 2))
@@ -643,14 +643,15 @@ def test_members_start_aligned_in_the_gathered_unit():
     """Each member's block of a gathered unit, which compiled graphs (and an
     outlined block's body, compiled for aligned inputs) read in place, starts
     16-byte aligned, whatever the sizes before it (odd conv biases, say)."""
-    from fxshard.runtime.units import ParamInfo, Units
+    from fxshard.runtime.units import Units
+    from tests.helpers import records
 
     shapes = [(13, 1, 4), (13,), (26, 20), (7,), (3, 5), (41, 20)]
     for dtype in (torch.float32, torch.bfloat16):
-        infos = [ParamInfo(f"w{i}", shape, -(-shape[0] // 3), dtype, dtype, torch.float32, torch.device("cpu"),
-                           lambda: None, lambda t: None) for i, shape in enumerate(shapes)]  # fmt: skip
-        u = Units(infos, 3, "0", "1")
-        u.form(form_units(u.params, [info.fqn for info in infos], unit_bytes=2**20))
+        params = [records.param(i, f"w{i}", shape, -(-shape[0] // 3), world_size=3, shard_dtype=dtype,
+                                reduce_dtype=torch.float32) for i, shape in enumerate(shapes)]  # fmt: skip
+        u = Units(params, 3, "0", "1")
+        u.form(form_units(u.params, [p.fqn for p in params], unit_bytes=2**20))
         (unit,) = u.units
         ends = [3 * m.offset for m in unit.members]
         assert all(start * dtype.itemsize % 16 == 0 for start in ends), ends

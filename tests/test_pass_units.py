@@ -4,7 +4,7 @@ Graphs are traced with ``make_fx`` from functions that call fxshard's marker
 ops (their fake implementations give every node a value), or built node by
 node where a pass expects what an earlier pass inserted. No process group:
 lowering traces the functional collectives on meta tensors, and units are
-built from ``ParamInfo``s alone.
+built from parameter records alone (tests/helpers/records.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from fxshard.passes.markers import is_reduce, is_unshard, param_of
 from fxshard.passes.schedule import schedule_collectives_pass
 from fxshard.passes.tagging import tag_unshard_pass
 from fxshard.passes.units import form_units
-from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, ParamInfo, Units
-from tests.helpers import marker_plans
+from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Units
+from tests.helpers import marker_plans, records
 
 _aten, _funcol, _fxshard = torch.ops.aten, torch.ops._c10d_functional, torch.ops.fxshard
 WS = 4
@@ -61,9 +61,8 @@ SHAPES = {"a": (8, 3), "b": (5,), "c": (6, 2), "d": (4, 4)}  # full shapes; rank
 def _units() -> Units:
     """a (96 bytes) and b fill a unit of 100 bytes; c is the next unit; d is
     in none (a parameter the first graph never read)."""
-    infos = [ParamInfo(name, shape, 2, torch.float32, torch.float32, torch.float32, torch.device("cpu"),
-                       lambda: None, lambda t: None) for name, shape in SHAPES.items()]  # fmt: skip
-    units = Units(infos, WS, "0", "1")
+    params = [records.param(i, name, shape, 2, world_size=WS) for i, (name, shape) in enumerate(SHAPES.items())]
+    units = Units(params, WS, "0", "1")
     units.form(form_units(units.params, ["a", "b", "c"], unit_bytes=100))
     assert [u.names for u in units.units] == [("a", "b"), ("c",)]
     return units

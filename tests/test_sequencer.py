@@ -12,8 +12,9 @@ import torch.nn as nn
 
 import fxshard
 from fxshard.runtime import sequencer as seq_mod
-from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, PlanTable, Reduce
-from fxshard.runtime.sequencer import SeqEntry, Sequencer, seq_gather
+from fxshard.runtime.plans import PlanTable
+from fxshard.runtime.sequencer import Sequencer, seq_gather
+from tests.helpers import records
 
 SHAPES = [(3, 2), (4,), (2, 2), (5, 1)]
 
@@ -39,16 +40,13 @@ def recorded(monkeypatch):
 def _sequencer(trainable=(True, True, True, True)) -> tuple[Sequencer, list[torch.Tensor], dict[int, torch.Tensor]]:
     values = [torch.full(shape, float(i + 1)) for i, shape in enumerate(SHAPES)]
     grads: dict[int, torch.Tensor] = {}
-    entries = []
-    for i, (shape, value) in enumerate(zip(SHAPES, values)):
-        entries.append(SeqEntry(
-            f"p{i}", shape[0], shape[0], shape, None, None, torch.float32, lambda t=trainable[i]: t,
-            local=lambda v=value: v, add_grad=lambda g, i=i: grads.__setitem__(i, grads.get(i, 0) + g),
-        ))  # fmt: skip
-    table = PlanTable(tuple(ParamPlan(f"p{i}", Placement.SHARD, Reduce.REDUCE_SCATTER, Lifetime.LAST_USE, shape[0], 1,
-                                      "g", "g", None, None, trainable[i], shape, torch.float32, torch.device("cpu"))
-                            for i, shape in enumerate(SHAPES)), tuple(shape[0] for shape in SHAPES))  # fmt: skip
-    seq = Sequencer(table.id, entries, 1, "g")
+    params = [
+        records.param(i, f"p{i}", shape, shape[0], world_size=1, shard=records.StubShard(
+            value, trainable[i], add_grad=lambda g, i=i: grads.__setitem__(i, grads.get(i, 0) + g)))
+        for i, (shape, value) in enumerate(zip(SHAPES, values))
+    ]  # fmt: skip
+    table = PlanTable(tuple(p.plan for p in params), tuple(p.local_rows for p in params))
+    seq = Sequencer(table.id, params, 1, "g")
     seq.table = table  # what the reads' ops find by id, alive with the sequencer
     return seq, values, grads
 

@@ -84,7 +84,7 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
 
     def copies_match() -> None:
         params = runtime.state(plan).shards.parameters()
-        for i in kept.specs:
+        for i in kept.members:
             torch.testing.assert_close(kept.full[i], params[i].full_tensor(), atol=0, rtol=0)
 
     with torch.inference_mode():  # the copies must not be inference tensors, which training could not refresh
@@ -110,7 +110,7 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
     # Without sync the full gradients are kept, not reduced, and nothing is gathered again.
     model.set_requires_gradient_sync(False)
     lm_loss(model(tokens), tokens).backward()
-    assert kept.gathers == 5 and set(kept.specs) <= set(runtime.state(plan).store.grads)
+    assert kept.gathers == 5 and set(kept.members) <= set(runtime.state(plan).store.grads)
     model.set_requires_gradient_sync(True)
     lm_loss(model(tokens), tokens).backward()
     assert kept.gathers == 5 and not runtime.state(plan).store.grads

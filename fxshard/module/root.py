@@ -25,9 +25,9 @@ from fxshard.module.reads import LocalShards
 from fxshard.module.shards import shard_parameter, slot_backed
 from fxshard.runtime import compat
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
-from fxshard.runtime.plans import PlanTable
+from fxshard.runtime.plans import Param, PlanTable
 from fxshard.runtime.sequencer import Sequencer
-from fxshard.runtime.units import ParamInfo, Units
+from fxshard.runtime.units import Units
 
 if TYPE_CHECKING:
     from fxshard.passes.pipeline import FXShardBackend
@@ -44,12 +44,12 @@ CALLED_ROOTS: contextvars.ContextVar[list[nn.Module] | None] = contextvars.Conte
 class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
-    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, infos: tuple[ParamInfo, ...],
+    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, gathered: tuple[Param, ...],
                  device: torch.device, fqns: dict[int, str], table: PlanTable) -> None:  # fmt: skip
         self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
         # The plans that read markers name (see [Note: markers name the plan]); held here, with the model.
         self.table, self.stored_table = table, table.as_stored()
-        self.infos = infos  # per distinct parameter, for units (fxshard/runtime/units.py)
+        self.gathered = gathered  # the parameters that graphs gather, for units (fxshard/runtime/units.py)
         self.device = device
         self.fqns = fqns  # id of each shard -> its parameter's name
         # id of a shard on the meta device -> (it, the shard that replaced it)

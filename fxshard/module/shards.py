@@ -145,6 +145,33 @@ class ShardParameter(DTensor):
 process.foreach_type(ShardParameter)
 
 
+class HeldShard:
+    """A parameter's shard as its first owner holds it now (``plans.Shard``):
+    read from the module each time, since the user may replace the tensor."""
+
+    __slots__ = ("module", "attr")
+
+    def __init__(self, module: torch.nn.Module, attr: str) -> None:
+        self.module, self.attr = module, attr
+
+    def local(self) -> torch.Tensor:
+        return compat.local_tensor(self.module._parameters[self.attr])
+
+    def rehome(self, tensor: torch.Tensor) -> None:
+        compat.replace_local_tensor(self.module._parameters[self.attr], tensor)
+
+    def add_grad(self, grad: torch.Tensor) -> None:
+        param = self.module._parameters[self.attr]
+        if param.grad is None:
+            param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())  # fmt: skip
+        else:
+            param.grad.to_local().add_(grad)
+
+    def trainable(self) -> bool:
+        return self.module._parameters[self.attr].requires_grad
+
+
 def copy_rows(full: torch.Tensor, like: DTensor, into: torch.Tensor) -> None:
     """Copy this rank's rows of ``full`` (laid out as ``like``) into ``into``, in place."""
     rows = full[slice(*local_rows(like))] if like.dim() else full

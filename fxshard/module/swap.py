@@ -31,16 +31,13 @@ from fxshard.module import hf
 from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.reads import LocalShards, gathering_property
 from fxshard.module.root import RootState
-from fxshard.module.shards import shard_of
+from fxshard.module.shards import HeldShard, shard_of
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
-from fxshard.runtime import compat
-from fxshard.runtime.collectives import shard_range
-from fxshard.runtime.plans import PlanTable
-from fxshard.runtime.sequencer import SeqEntry, Sequencer
-from fxshard.runtime.topology import Group, Topology
-from fxshard.runtime.units import ParamInfo
+from fxshard.runtime.plans import Param, PlanTable, rows_held
+from fxshard.runtime.sequencer import Sequencer
+from fxshard.runtime.topology import Topology
 
 
 class FXShardModule:
@@ -203,8 +200,7 @@ def shard_parameters(
                 owners.setdefault(id(param), []).append((mod, attr))
 
     per_module: dict[nn.Module, dict[str, ParamPlan]] = {}
-    entries: list[SeqEntry] = []
-    infos: list[ParamInfo] = []
+    params: list[Param] = []  # the one run-time record of each distinct parameter, in plan order
     fqns: dict[int, str] = {}
     for key, mod_attrs in owners.items():
         spec = plans[key]
@@ -216,57 +212,21 @@ def shard_parameters(
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
-        entries.append(_seq_entry(first_mod, first_attr, spec, topology.shard))
-        if not spec.replicated and not spec.kept:  # units gather and reduce shards that graphs gather
-            infos.append(_param_info(first_mod, first_attr, spec, topology.shard))
+        rows = rows_held(spec, topology.shard.size, topology.shard.rank)
+        params.append(Param(len(params), spec, rows, HeldShard(first_mod, first_attr)))
     per_module.setdefault(model, {})
-    table = PlanTable(tuple(plans[key] for key in owners), tuple(e.local_rows for e in entries), count_group_name)
+    table = PlanTable(tuple(p.plan for p in params), tuple(p.local_rows for p in params), count_group_name)
     index = {spec.fqn: i for i, spec in enumerate(table.params)}
     replicas = topology.replicas
-    sequencer = Sequencer(table.id, entries, topology.shard.size, topology.shard.name, replicas)
-    kept = {i: spec for i, spec in enumerate(table.params) if spec.kept}
-    kept_rows = {i: table.local_rows[i] for i in kept}
-    shards = LocalShards(list(owners.values()), KeptParams(kept, kept_rows, replicas, bucket_bytes) if kept else None)
-    state = RootState(shards, sequencer, sequenced, tuple(infos), topology.device, fqns, table)
+    sequencer = Sequencer(table.id, params, topology.shard.size, topology.shard.name, replicas)
+    kept = [p for p in params if p.plan.kept]
+    shards = LocalShards(list(owners.values()), KeptParams(kept, replicas, bucket_bytes) if kept else None)
+    # Units gather and reduce the shards that graphs gather.
+    gathered = tuple(p for p in params if not p.plan.replicated and not p.plan.kept)
+    state = RootState(shards, sequencer, sequenced, gathered, topology.device, fqns, table)
     watch_unsynced(state)
     for mod, attrs in per_module.items():
         props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     return state
-
-
-def _seq_entry(module: nn.Module, attr: str, spec: ParamPlan, shard: Group) -> SeqEntry:
-    def local() -> torch.Tensor:
-        return module._parameters[attr].to_local().detach()
-
-    def add_grad(grad: torch.Tensor) -> None:
-        param = module._parameters[attr]
-        if param.grad is None:
-            param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
-                                            shape=param.shape, stride=param.stride())  # fmt: skip
-        else:
-            param.grad.to_local().add_(grad)
-
-    start, end = shard_range(spec.dim0, shard.size, shard.rank)
-    if spec.replicated:
-        start, end = 0, spec.dim0
-
-    def trainable() -> bool:
-        return module._parameters[attr].requires_grad
-
-    return SeqEntry(spec.fqn, spec.dim0, end - start, spec.shape, spec.dtype, spec.reduce_dtype, spec.shard_dtype,
-                    trainable, local, add_grad, spec.replicated)  # fmt: skip
-
-
-def _param_info(module: nn.Module, attr: str, spec: ParamPlan, shard: Group) -> ParamInfo:
-    def local() -> torch.Tensor:
-        return compat.local_tensor(module._parameters[attr])
-
-    def rehome(tensor: torch.Tensor) -> None:
-        compat.replace_local_tensor(module._parameters[attr], tensor)
-
-    start, end = shard_range(spec.dim0, shard.size, shard.rank)
-    gather_dtype = spec.dtype or spec.shard_dtype
-    return ParamInfo(spec.fqn, spec.shape, end - start, spec.shard_dtype, gather_dtype,
-                     spec.reduce_dtype or gather_dtype, spec.device, local, rehome)  # fmt: skip

@@ -36,6 +36,7 @@ stages.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,23 +44,20 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.module.optimizers import count_optimizer_steps
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas
-from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore, accumulated_dtype
+from fxshard.runtime.plans import Param
 from fxshard.runtime.rank_checks import GraphAgreement
 
 
 class KeptParams:
     """The full copies of one model's ZeRO-1 parameters (see the Note), by plan index."""
 
-    def __init__(self, specs: dict[int, ParamPlan], local_rows: dict[int, int], replicas: Replicas | None,
-                 bucket_bytes: int) -> None:  # fmt: skip
-        """``specs`` and ``local_rows`` (this rank's rows): by plan index."""
+    def __init__(self, members: Sequence[Param], replicas: Replicas | None, bucket_bytes: int) -> None:
         count_optimizer_steps(self)
-        self.specs = specs
+        self.members = {p.index: p for p in members}  # by plan index
         self.bucket_bytes = bucket_bytes  # of gathered values per all-gather or reduce-scatter
-        self.local_rows = local_rows
         self.replicas = replicas
         self.full: dict[int, torch.Tensor] = {}
         self.stale = True  # gather at the next refresh whatever the shards' state (a capture sets it)
@@ -71,8 +69,8 @@ class KeptParams:
 
     def refresh(self, params: list[DTensor]) -> None:
         """Gather the copies if a shard changed since the last gather (see the Note)."""
-        mine = [params[i] for i in self.specs]
-        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.specs, mine)}
+        mine = [params[i] for i in self.members]
+        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.members, mine)}
         # Objects too: to_empty and .data assignments replace tensors, whose new counters start over.
         seen = tuple((id(p), p._version, id(local), local._version, p.optimizer_steps)
                      for p, local in zip(mine, locals_.values()))  # fmt: skip
@@ -80,9 +78,9 @@ class KeptParams:
             return
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
         with torch.inference_mode(False), torch.no_grad():
-            for bucket in self._buckets(list(self.specs), lambda s: s.dtype or s.shard_dtype):
-                first = self.specs[bucket[0]]
-                gathered = gather_many([locals_[i] for i in bucket], [self.specs[i].dim0 for i in bucket],
+            for bucket in self._buckets(list(self.members), lambda s: s.dtype or s.shard_dtype):
+                first = self.members[bucket[0]].plan
+                gathered = gather_many([locals_[i] for i in bucket], [self.members[i].plan.dim0 for i in bucket],
                                        first.world_size, first.group_name, first.dtype or first.shard_dtype)  # fmt: skip
                 for i, full in zip(bucket, gathered):
                     held = self.full.get(i)
@@ -101,7 +99,7 @@ class KeptParams:
         buckets: list[list[int]] = []
         size, key = 0, None
         for i in indices:
-            spec = self.specs[i]
+            spec = self.members[i].plan
             nbytes = math.prod(spec.shape) * dtype(spec).itemsize
             if not buckets or dtype(spec) != key or size + nbytes > self.bucket_bytes:
                 buckets.append([])
@@ -120,8 +118,8 @@ class KeptParams:
         (its gradient reduce-scattered into the shard's, or kept in
         ``store`` in the ``phase`` of a call without sync) where it trains and
         grad is enabled, else the copy itself, detached."""
-        trained = [i for i in self.specs if params[i].requires_grad] if torch.is_grad_enabled() else []
-        out = {i: self.full[i].detach() for i in self.specs}
+        trained = [i for i in self.members if params[i].requires_grad] if torch.is_grad_enabled() else []
+        out = {i: self.full[i].detach() for i in self.members}
         if trained:
             views = _KeptFull.apply(self, trained, phase, store, *(params[i] for i in trained))
             out.update(zip(trained, views))
@@ -149,30 +147,30 @@ class _KeptFull(torch.autograd.Function):
         got = {i: g for i, g in zip(ctx.indices, grads) if g is not None}
         if ctx.phase == ACCUMULATE:  # kept whole; the shards' gradients from this call are zero
             for i, g in got.items():
-                ctx.store.add(i, g, accumulated_dtype(kept.specs[i]))
+                ctx.store.add(i, g, accumulated_dtype(kept.members[i].plan))
             zeros = [_zero_shard(kept, i) if i in got else None for i in ctx.indices]
             return (None, None, None, None, *as_dtensor_grads(tuple(zeros), ctx.metas, None))
         if ctx.phase == FLUSH:
-            got = {i: ctx.store.take(i, g, accumulated_dtype(kept.specs[i])) for i, g in got.items()}
+            got = {i: ctx.store.take(i, g, accumulated_dtype(kept.members[i].plan)) for i, g in got.items()}
         if kept.agreement is not None:
             # The reduces coalesce what got a gradient: ranks whose graphs
             # differ (a branch on the rank) would pair one parameter's
             # gradient with another's. Graphs read the copies as plain
             # inputs, so the graphs' own agreement does not see them.
             kept.agreement.check("ZeRO-1's reduce after backward",
-                                 ("ZeRO-1 reduce", *(f"gradient of {kept.specs[i].fqn!r}" for i in got)))  # fmt: skip
+                                 ("ZeRO-1 reduce", *(f"gradient of {kept.members[i].plan.fqn!r}" for i in got)))  # fmt: skip
         shards: list[torch.Tensor | None] = [None] * len(grads)
         where = {i: j for j, i in enumerate(ctx.indices)}
         for bucket in kept._buckets(list(got), accumulated_dtype):
-            s = kept.specs[bucket[0]]
-            reduced = reduce_many([got[i] for i in bucket], [kept.local_rows[i] for i in bucket], s.world_size,
+            s = kept.members[bucket[0]].plan
+            reduced = reduce_many([got[i] for i in bucket], [kept.members[i].local_rows for i in bucket], s.world_size,
                                   s.reduce_group_name, accumulated_dtype(s),
-                                  [kept.specs[i].shard_dtype for i in bucket])  # fmt: skip
+                                  [kept.members[i].plan.shard_dtype for i in bucket])  # fmt: skip
             for i, shard in zip(bucket, reduced):
                 shards[where[i]] = shard
         return (None, None, None, None, *as_dtensor_grads(tuple(shards), ctx.metas, kept.replicas))
 
 
 def _zero_shard(kept: KeptParams, index: int) -> torch.Tensor:
-    spec = kept.specs[index]
-    return torch.zeros((kept.local_rows[index], *spec.shape[1:]), dtype=spec.shard_dtype, device=spec.device)
+    spec = kept.members[index].plan
+    return torch.zeros((kept.members[index].local_rows, *spec.shape[1:]), dtype=spec.shard_dtype, device=spec.device)

@@ -88,7 +88,7 @@ def _copied_members(unit: Unit, found: list[tuple[int, fx.Node]], ws: int) -> se
     if not any(node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for _, node in found):
         return set()
     copied, total = set(), 0
-    vectors = {j for j, _ in found if len(unit.members[j].info.shape) == 1}
+    vectors = {j for j, _ in found if len(unit.members[j].param.shape) == 1}
     for j in sorted(vectors, key=lambda j: unit.members[j].numel):
         total += unit.members[j].numel
         if 16 * total > ws * unit.numel:
@@ -110,10 +110,10 @@ def _rank_major(
     for m, g in zip(members, grads):
         if not g.meta["val"].is_contiguous():
             g = new(_aten.clone.default, g, memory_format=torch.contiguous_format)
-        rows = new(_aten.view.default, g, [m.info.shape[0], m.row])
+        rows = new(_aten.view.default, g, [m.param.shape[0], m.row])
         if g.meta["val"].dtype != dtype:
             rows = new(_prims.convert_element_type.default, rows, dtype)
-        pad = ws * m.chunk - m.info.shape[0]
+        pad = ws * m.chunk - m.param.shape[0]
         if pad:
             rows = new(_aten.constant_pad_nd.default, rows, [0, 0, 0, pad], 0.0)
         parts.append(new(_aten.view.default, rows, [ws, m.slot]))
@@ -150,7 +150,7 @@ def bucket_collectives_pass(
                     m = unit.members[j]
                     start = ws * m.offset
                     views[j] = new(_aten.view.default, new(_aten.slice.Tensor, full, 0, start, start + m.numel),
-                                   list(m.info.shape))  # fmt: skip
+                                   list(m.param.shape))  # fmt: skip
                     if j in copied:
                         views[j] = new(_aten.clone.default, views[j])  # saved without pinning the unit
         for j, node in found:  # only now: inserting before an erased node corrupts the graph
@@ -181,7 +181,7 @@ def bucket_collectives_pass(
             start, views = 0, {}
             for j in members:
                 m = unit.members[j]
-                local_shape = [m.info.local_rows, *m.info.shape[1:]]
+                local_shape = [m.param.local_rows, *m.param.shape[1:]]
                 views[j] = new(_aten.view.default, new(_aten.slice.Tensor, flat, 0, start, start + m.local_numel),
                                local_shape)  # fmt: skip
                 start += m.slot

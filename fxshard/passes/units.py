@@ -6,16 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from fxshard.runtime.units import ParamInfo
+from fxshard.runtime.plans import Param
 
 
 def form_units(
-    params: Mapping[str, ParamInfo],
+    params: Mapping[str, Param],
     first_use: Sequence[str],
     unit_bytes: int,
     explicit: Sequence[Sequence[str]] = (),
     blocks: Sequence[Sequence[str]] = (),
-) -> list[list[ParamInfo]]:
+) -> list[list[Param]]:
     """The units of the parameters in ``params`` (by name), from the order
     in which a graph first reads them.
 
@@ -31,7 +31,7 @@ def form_units(
     order = {name: i for i, name in enumerate(first_use)}
     listed: set[str] = set()
 
-    def take(group: Sequence[str]) -> list[list[ParamInfo]]:
+    def take(group: Sequence[str]) -> list[list[Param]]:
         """``group``'s members not taken yet, in first-use order, by dtype."""
         members = sorted((n for n in group if n in order and n not in listed), key=order.__getitem__)
         listed.update(group)
@@ -46,15 +46,15 @@ def form_units(
     return groups
 
 
-def _gathered_bytes(infos: Sequence[ParamInfo]) -> int:
+def _gathered_bytes(infos: Sequence[Param]) -> int:
     return sum(math.prod(i.shape) * i.gather_dtype.itemsize for i in infos)
 
 
-def _fill(blocks: list[list[ParamInfo]], unit_bytes: int) -> list[list[ParamInfo]]:
+def _fill(blocks: list[list[Param]], unit_bytes: int) -> list[list[Param]]:
     """Consecutive blocks (each never split; a lone parameter is a block of
     one) joined into units of about ``unit_bytes``: a unit is closed once it
     holds ``unit_bytes`` or the next block's dtypes differ."""
-    units: list[list[ParamInfo]] = []
+    units: list[list[Param]] = []
     for block in blocks:
         last = units[-1] if units else None
         if last and _gathered_bytes(last) < unit_bytes and _dtype_key(last[0]) == _dtype_key(block[0]):
@@ -64,12 +64,12 @@ def _fill(blocks: list[list[ParamInfo]], unit_bytes: int) -> list[list[ParamInfo
     return units
 
 
-def _dtype_key(info: ParamInfo) -> tuple:
+def _dtype_key(info: Param) -> tuple:
     return (info.shard_dtype, info.gather_dtype, info.reduce_dtype, info.device)
 
 
-def _split_by_dtype(infos: list[ParamInfo]) -> list[list[ParamInfo]]:
-    groups: dict[tuple, list[ParamInfo]] = {}
+def _split_by_dtype(infos: list[Param]) -> list[list[Param]]:
+    groups: dict[tuple, list[Param]] = {}
     for info in infos:
         groups.setdefault(_dtype_key(info), []).append(info)
     return list(groups.values())

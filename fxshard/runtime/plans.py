@@ -56,8 +56,11 @@ import enum
 import hashlib
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from fxshard.runtime.collectives import shard_range
 
 
 class Placement(enum.Enum):
@@ -119,6 +122,74 @@ class ParamPlan:
                 f"compute/reduce {dtypes}, gradient {reduce_text(self)}, gathered value {self.lifetime.value}")  # fmt: skip
 
 
+class Shard(Protocol):
+    """A parameter's shard as its module holds it now: the user may replace
+    the tensor (``p.data = ...``, ``to_empty``), so it is read each time,
+    never kept (implemented in fxshard/module/shards.py)."""
+
+    def local(self) -> torch.Tensor:
+        """This rank's rows, the DTensor's local tensor."""
+        ...
+
+    def rehome(self, tensor: torch.Tensor) -> None:
+        """Make the DTensor hold ``tensor`` (same values) instead."""
+        ...
+
+    def add_grad(self, grad: torch.Tensor) -> None:
+        """Accumulate a reduced gradient of this rank's rows into ``.grad``."""
+        ...
+
+    def trainable(self) -> bool:
+        """The parameter's ``requires_grad`` now (users may freeze later)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class Param:
+    """One parameter at run time: its plan, its index in the model's table,
+    this rank's rows of it and its shard. The one record that units, the
+    sequencer and ZeRO-1's copies read; everything else is the plan's."""
+
+    index: int
+    plan: ParamPlan
+    local_rows: int
+    shard: Shard
+
+    @property
+    def fqn(self) -> str:
+        return self.plan.fqn
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.plan.shape
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        return self.plan.shard_dtype
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.plan.dtype or self.plan.shard_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype a reduce sums in."""
+        return self.plan.reduce_dtype or self.gather_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+
+def rows_held(plan: ParamPlan, world_size: int, rank: int) -> int:
+    """How many rows of the full parameter ``rank`` holds: its shard's, or
+    all of them for a replicated parameter (see ``shard_range``)."""
+    if plan.replicated:
+        return plan.dim0
+    start, end = shard_range(plan.dim0, world_size, rank)
+    return end - start
+
+
 def placement_text(p: ParamPlan) -> str:
     return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
 
@@ -136,8 +207,8 @@ def _dtype(dtype: torch.dtype) -> str:
 class PlanTable:
     """One model's parameter plans as graphs name them (see the Note).
     ``local_rows``: this rank's rows of each parameter (all of a replicated
-    one's); ``count_group_name``: the CPU group on which sharded lookups
-    compare token counts ("" for none)."""
+    one's; ``rows_held``); ``count_group_name``: the CPU group on which
+    sharded lookups compare token counts ("" for none)."""
 
     def __init__(self, params: tuple[ParamPlan, ...], local_rows: tuple[int, ...], count_group_name: str = "") -> None:
         self.params, self.local_rows, self.count_group_name = params, local_rows, count_group_name

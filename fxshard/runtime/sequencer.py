@@ -50,23 +50,6 @@ from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import Replicas, any_rank, gather_full, reduce_replicated, reduce_to_shard
 
 
-@dataclass(frozen=True)
-class SeqEntry:
-    """One parameter of the plan, as the sequencer sees it."""
-
-    name: str
-    dim0: int
-    local_rows: int
-    full_shape: tuple[int, ...]
-    dtype: torch.dtype | None  # gather dtype; None keeps the shard's
-    reduce_dtype: torch.dtype | None
-    shard_dtype: torch.dtype
-    trainable: Callable[[], bool]  # the parameter's requires_grad now (users may freeze later)
-    local: Callable[[], torch.Tensor]  # this rank's shard, a plain tensor
-    add_grad: Callable[[torch.Tensor], None]  # accumulate a reduced shard gradient
-    replicated: bool = False  # every rank holds all of it: nothing to gather, the gradient all-reduced
-
-
 @dataclass
 class _Call:
     id: int
@@ -77,7 +60,7 @@ class _Call:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-# By plan id. Weak: a deleted model's sequencer (and, through its entries, its shards) must go.
+# By plan id. Weak: a deleted model's sequencer (and, through its params, its shards) must go.
 _SEQUENCERS: weakref.WeakValueDictionary[int, Sequencer] = weakref.WeakValueDictionary()
 
 
@@ -87,14 +70,14 @@ class Sequencer:
     def __init__(
         self,
         plan: int,
-        entries: Sequence[SeqEntry],
+        params: Sequence[plans.Param],
         world_size: int,
         group_name: str,
         replicas: Replicas | None = None,
     ) -> None:
         """``plan``: the id of the model's plan table, by which the ops of
-        sequenced reads find this sequencer; ``entries`` in its order."""
-        self.entries = tuple(entries)
+        sequenced reads find this sequencer; ``params`` in its order."""
+        self.params = tuple(params)
         self.world_size, self.group_name = world_size, group_name
         self.replicas = replicas  # HSDP: gradients are averaged across them too (see [Note: HSDP])
         self.plan = plan
@@ -120,20 +103,21 @@ class Sequencer:
         self._current = call
         try:
             yield anchor, frozen
-            self._gather_through(call, len(self.entries) - 1)  # only on success: see the Note
+            self._gather_through(call, len(self.params) - 1)  # only on success: see the Note
         finally:
             self._current = None
-        if call.grad and any(e.trainable() for e in self.entries):
+        if call.grad and any(p.shard.trainable() for p in self.params):
             self._pending[call.id] = call  # keeps its weights for recomputes in backward
         else:
             call.full.clear()
 
     def _gather_through(self, call: _Call, k: int) -> None:
         while call.next <= k:
-            e = self.entries[call.next]
-            ranks = 1 if e.replicated else self.world_size
-            call.full[call.next] = gather_full(e.local(), e.dim0, ranks, self.group_name, e.dtype)
-            self.gathers += not e.replicated
+            p = self.params[call.next]
+            ranks = 1 if p.plan.replicated else self.world_size
+            call.full[call.next] = gather_full(p.shard.local().detach(), p.plan.dim0, ranks, self.group_name,
+                                               p.plan.dtype)  # fmt: skip
+            self.gathers += not p.plan.replicated
             call.next += 1
 
     def read(self, call_id: int, k: int) -> torch.Tensor:
@@ -144,7 +128,7 @@ class Sequencer:
             call = self._pending.get(call_id)
             if call is None or k not in call.full:
                 raise RuntimeError(
-                    f"fxshard: parameter {self.entries[k].name!r} was read through a graph of call {call_id} "
+                    f"fxshard: parameter {self.params[k].fqn!r} was read through a graph of call {call_id} "
                     "after that call and its backward ended; read parameters inside model(...)"
                 )
         # Always a copy: a compiled graph may write into an op's output or reuse
@@ -156,11 +140,10 @@ class Sequencer:
         call = self._pending.get(call_id)
         if call is None:
             raise RuntimeError(
-                f"fxshard: a gradient for {self.entries[k].name!r} arrived for a call whose backward already ran; "
+                f"fxshard: a gradient for {self.params[k].fqn!r} arrived for a call whose backward already ran; "
                 "backward through one forward twice (retain_graph=True) is not supported"
             )
-        e = self.entries[k]
-        dtype = e.reduce_dtype or grad.dtype
+        dtype = self.params[k].plan.reduce_dtype or grad.dtype
         if k in call.grads:
             call.grads[k] += grad.to(dtype)
         else:
@@ -169,7 +152,7 @@ class Sequencer:
 
     def flush(self) -> None:
         """Reduce every pending call's gradients, in plan order (see the Note)."""
-        trainable = [k for k, e in enumerate(self.entries) if e.trainable()]
+        trainable = [k for k, p in enumerate(self.params) if p.shard.trainable()]
         for call_id in sorted(self._pending):
             call = self._pending.pop(call_id)
             call.full.clear()
@@ -188,19 +171,19 @@ class Sequencer:
             # Which parameters got a gradient on some rank: the others keep
             # grad None, as in unsharded training (AdamW skips them).
             # Over the whole mesh (HSDP: both dimensions), so that every rank reduces the same ones.
-            got = any_rank(torch.tensor([k in call.grads for k in trainable], device=self.entries[0].local().device),
+            got = any_rank(torch.tensor([k in call.grads for k in trainable], device=self.params[0].shard.local().device),
                            self.world_size, self.group_name)  # fmt: skip
             if self.replicas is not None:
-                got = any_rank(torch.tensor(got, device=self.entries[0].local().device), self.replicas.size,
+                got = any_rank(torch.tensor(got, device=self.params[0].shard.local().device), self.replicas.size,
                                self.replicas.group_name)  # fmt: skip
             for k, anywhere in zip(trainable, got):
                 if not anywhere:
                     continue
-                e = self.entries[k]
+                p = self.params[k]
                 grad = call.grads.pop(k, None)
                 if grad is None:
-                    local = e.local()
-                    grad = local.new_zeros(e.full_shape, dtype=e.reduce_dtype or e.dtype or local.dtype)
+                    local = p.shard.local()
+                    grad = local.new_zeros(p.shape, dtype=p.plan.reduce_dtype or p.plan.dtype or local.dtype)
                 self.reduce_one(k, grad)
 
     def drop_failed_backward(self) -> int:
@@ -224,17 +207,18 @@ class Sequencer:
 
     def reduce_one(self, k: int, grad: torch.Tensor) -> None:
         """Reduce parameter ``k``'s full gradient into its ``.grad``."""
-        e = self.entries[k]
-        grad = grad.reshape(e.full_shape)
+        p = self.params[k]
+        grad = grad.reshape(p.shape)
         # HSDP: averaged over the replicas too, in the reduce dtype, as graphs do (see [Note: HSDP]).
         replicas = (self.replicas.size, self.replicas.group_name) if self.replicas is not None else ()
-        if e.replicated:
-            shard = reduce_replicated(grad, self.world_size, self.group_name, e.reduce_dtype, e.shard_dtype, *replicas)
+        if p.plan.replicated:
+            shard = reduce_replicated(grad, self.world_size, self.group_name, p.plan.reduce_dtype, p.shard_dtype,
+                                      *replicas)  # fmt: skip
         else:
-            shard = reduce_to_shard(grad, e.local_rows, self.world_size, self.group_name, e.reduce_dtype,
-                                    e.shard_dtype, *replicas)  # fmt: skip
+            shard = reduce_to_shard(grad, p.local_rows, self.world_size, self.group_name, p.plan.reduce_dtype,
+                                    p.shard_dtype, *replicas)  # fmt: skip
         self.reduces += 1
-        e.add_grad(shard)
+        p.shard.add_grad(shard)
 
 
 @torch.library.custom_op("fxshard::seq_gather", mutates_args=())

@@ -86,13 +86,14 @@ import hashlib
 import logging
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, chunk_rows
+from fxshard.runtime.plans import Param
 from fxshard.runtime.rank_checks import check_collective
 
 log = logging.getLogger("fxshard")
@@ -117,23 +118,8 @@ def in_slot(local: torch.Tensor, shape: Sequence[int], world_size: int) -> torch
 
 
 @dataclass(frozen=True)
-class ParamInfo:
-    """What units need to know of one parameter."""
-
-    fqn: str
-    shape: tuple[int, ...]  # the full parameter's
-    local_rows: int  # this rank's real rows
-    shard_dtype: torch.dtype
-    gather_dtype: torch.dtype
-    reduce_dtype: torch.dtype  # the dtype the reduce-scatter sums in
-    device: torch.device
-    local: Callable[[], torch.Tensor]  # the DTensor's local tensor now
-    rehome: Callable[[torch.Tensor], None]  # make the DTensor hold this tensor (same values) instead
-
-
-@dataclass(frozen=True)
 class Member:
-    info: ParamInfo
+    param: Param
     chunk: int  # rows per rank, padded
     row: int  # elements per row
     offset: int  # of the slot in the rank's flat shard, in elements
@@ -144,36 +130,36 @@ class Member:
 
     @property
     def numel(self) -> int:
-        return self.info.shape[0] * self.row
+        return self.param.shape[0] * self.row
 
     @property
     def local_numel(self) -> int:
-        return self.info.local_rows * self.row
+        return self.param.local_rows * self.row
 
 
 class Unit:
     """One unit's layout and this rank's slot buffers."""
 
-    def __init__(self, index: int, infos: Sequence[ParamInfo], world_size: int) -> None:
+    def __init__(self, index: int, params: Sequence[Param], world_size: int) -> None:
         self.index = index
         self.world_size = world_size
         members, offset = [], 0
-        for info in infos:
-            row = math.prod(info.shape[1:])
-            chunk = chunk_rows(info.shape[0], world_size)  # slot_numel's
+        for param in params:
+            row = math.prod(param.shape[1:])
+            chunk = chunk_rows(param.shape[0], world_size)  # slot_numel's
 
             offset = -(-offset // MEMBER_ALIGN) * MEMBER_ALIGN
-            members.append(Member(info, chunk, row, offset))
+            members.append(Member(param, chunk, row, offset))
             offset += chunk * row
         self.members = tuple(members)
         self.numel = offset
-        first = infos[0]
+        first = params[0]
         self.shard_dtype, self.gather_dtype, self.device = first.shard_dtype, first.gather_dtype, first.device
         self.slots: tuple[torch.Tensor, ...] | None = None  # per member, set by ``rehome``
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(m.info.fqn for m in self.members)
+        return tuple(m.param.fqn for m in self.members)
 
     def gather_nbytes(self) -> int:
         return self.world_size * self.numel * self.gather_dtype.itemsize
@@ -188,14 +174,14 @@ class Unit:
         slots = []
         with torch.no_grad():
             for m in self.members:
-                local = m.info.local()
+                local = m.param.shard.local()
                 if _fills_slot(local, m, self.shard_dtype):
                     slots.append(local.new_empty(0).set_(local.untyped_storage(), 0, (m.slot,)))
                     continue
                 slot = torch.zeros(m.slot, dtype=self.shard_dtype, device=self.device)
                 view = slot[: m.local_numel].view(local.shape)
                 view.copy_(local)
-                m.info.rehome(view)
+                m.param.shard.rehome(view)
                 slots.append(slot)
         self.slots = tuple(slots)
 
@@ -209,7 +195,7 @@ class Unit:
         copies = []
         for m in self.members:
             copy = torch.zeros(m.slot, dtype=self.shard_dtype, device=self.device)
-            copy[: m.local_numel].copy_(m.info.local().reshape(-1))
+            copy[: m.local_numel].copy_(m.param.shard.local().reshape(-1))
             copies.append(copy)
         return tuple(copies)
 
@@ -225,7 +211,7 @@ def _fills_slot(local: torch.Tensor, m: Member, dtype: torch.dtype) -> bool:
 
 
 def _starts_slot(m: Member, slot: torch.Tensor) -> bool:
-    local = m.info.local()
+    local = m.param.shard.local()
     return (
         local.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
         and local.storage_offset() == slot.storage_offset()
@@ -245,7 +231,7 @@ class Units:
 
     def __init__(
         self,
-        params: Sequence[ParamInfo],
+        params: Sequence[Param],
         world_size: int,
         group_name: str,
         reduce_group_name: str,
@@ -266,8 +252,8 @@ class Units:
     def _register(self) -> None:
         """Take the id of this layout (the next free one if another live Units
         of the same layout holds it)."""
-        layout = (self.world_size, [[(m.info.fqn, m.info.shape, m.info.local_rows, m.chunk, m.row, m.offset,
-                                      m.info.shard_dtype, m.info.gather_dtype, m.info.reduce_dtype, m.info.device)
+        layout = (self.world_size, [[(m.param.fqn, m.param.shape, m.param.local_rows, m.chunk, m.row, m.offset,
+                                      m.param.shard_dtype, m.param.gather_dtype, m.param.reduce_dtype, m.param.device)
                                      for m in u.members] for u in self.units])  # fmt: skip
         if self.replicas is not None:  # HSDP graphs average across replicas (see bucket_collectives)
             layout += (self.replicas.size,)
@@ -281,17 +267,17 @@ class Units:
     def assigned(self) -> bool:
         return bool(self.units)
 
-    def form(self, groups: Sequence[Sequence[ParamInfo]]) -> None:
+    def form(self, groups: Sequence[Sequence[Param]]) -> None:
         """Lay out the units that ``groups`` list (``passes/units.py`` forms
         them: which parameters move together is the passes' decision), once.
         ``rehome`` moves the shards into their slots later."""
         if self.units:
             raise RuntimeError("fxshard: a model's units are formed once")
-        for index, infos in enumerate(groups):
-            unit = Unit(index, list(infos), self.world_size)
+        for index, members in enumerate(groups):
+            unit = Unit(index, list(members), self.world_size)
             self.units.append(unit)
             for j, m in enumerate(unit.members):
-                self.unit_of[m.info.fqn] = (index, j)
+                self.unit_of[m.param.fqn] = (index, j)
         self._register()
         log.info("fxshard: %d units over %d parameters", len(self.units), len(self.unit_of))
 
@@ -320,7 +306,7 @@ class Units:
         GPUs); the collective reads the rank-major input flat, so its rows
         must be aligned already."""
         u = self.units[unit]
-        dtype = u.members[0].info.reduce_dtype
+        dtype = u.members[0].param.reduce_dtype
         align = max(compat.inductor_row_alignment_bytes() // dtype.itemsize, 1)
         numel = sum(u.members[j].slot for j in members)
         return -(-numel // align) * align, dtype
@@ -400,7 +386,7 @@ class Units:
         if key in self._pending:
             raise RuntimeError(f"fxshard: unit {unit} reduced again before its previous reduce's wait")
         check_collective(self.reduce_group_name, lambda: f"reduce-scatter of unit {unit}'s gradients "
-                         f"({', '.join(self.units[unit].members[j].info.fqn for j in members)})")  # fmt: skip
+                         f"({', '.join(self.units[unit].members[j].param.fqn for j in members)})")  # fmt: skip
         out = torch.empty(numel, dtype=dtype, device=self.units[unit].device)
         work = compat.reduce_scatter_async(out, inp.view(-1), self._group(self.reduce_group_name),
                                            average=self._on_nccl(self.reduce_group_name))  # fmt: skip
@@ -431,7 +417,7 @@ class Units:
             raise RuntimeError(f"fxshard: unit {unit} averaged again before its previous average's wait")
         replicas = self.replicas
         check_collective(replicas.group_name, lambda: f"all-reduce over {replicas.size} replicas of unit {unit}'s "
-                         f"gradients ({', '.join(self.units[unit].members[j].info.fqn for j in members)})")  # fmt: skip
+                         f"gradients ({', '.join(self.units[unit].members[j].param.fqn for j in members)})")  # fmt: skip
         work = compat.all_reduce_async(out, self._group(replicas.group_name),
                                        average=self._on_nccl(replicas.group_name))  # fmt: skip
         self._pending[key] = (work, out)
