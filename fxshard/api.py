@@ -334,7 +334,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                            opts.compile_blocks_once, opts.reduces_in_flight, format_plan(params), explicit,
                            opts.disabled_passes, opts.inductor_config)  # fmt: skip
         if shard.size > 1:
-            unit_plan = Units(state.gathered, shard.size, shard.name, reduce_group_name, replicas)
+            unit_plan = Units(state.runtime, state.gathered, shard.size, shard.name, reduce_group_name, replicas)
         compiled = FXShardBackend(spec, unit_plan, topology.agreement())
         if state.shards.kept is not None:
             state.shards.kept.agreement = topology.agreement("zero1")

@@ -607,7 +607,7 @@ def test_units_id_names_the_layout():
 
     def units(*shapes):
         params = [records.param(i, f"w{i}", shape, shape[0] // 2) for i, shape in enumerate(shapes)]
-        u = Units(params, 2, "0", "1")
+        u = Units(plans_module.ModelRuntime(), params, 2, "0", "1")
         u.form(form_units(u.params, [p.fqn for p in params], unit_bytes=2**20))
         return u
 
@@ -630,13 +630,17 @@ def test_plan_id_names_the_plan():
 
     plan, _ = marker_plans.sharded("w", (8, 3), 4, 2)
     table = plans_module.table(plan)
-    again = plans_module.PlanTable(table.params, table.local_rows)
-    rows = plans_module.PlanTable(table.params, (3,))
-    assert again.id == plan + 1 and rows.id not in (plan, plan + 1)
-    again_id = again.id
+
+    def named(*args):
+        return plans_module.ModelRuntime(plans_module.PlanTable(*args))
+
+    again = named(table.params, table.local_rows)
+    rows = named(table.params, (3,))
+    assert again.table.id == plan + 1 and rows.table.id not in (plan, plan + 1)
+    again_id = again.table.id
     del again
     gc.collect()
-    assert plans_module.PlanTable(table.params, table.local_rows).id == again_id
+    assert named(table.params, table.local_rows).table.id == again_id
 
 
 def test_members_start_aligned_in_the_gathered_unit():
@@ -650,7 +654,7 @@ def test_members_start_aligned_in_the_gathered_unit():
     for dtype in (torch.float32, torch.bfloat16):
         params = [records.param(i, f"w{i}", shape, -(-shape[0] // 3), world_size=3, shard_dtype=dtype,
                                 reduce_dtype=torch.float32) for i, shape in enumerate(shapes)]  # fmt: skip
-        u = Units(params, 3, "0", "1")
+        u = Units(plans_module.ModelRuntime(), params, 3, "0", "1")
         u.form(form_units(u.params, [p.fqn for p in params], unit_bytes=2**20))
         (unit,) = u.units
         ends = [3 * m.offset for m in unit.members]

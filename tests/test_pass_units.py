@@ -20,6 +20,7 @@ from fxshard.passes.markers import is_reduce, is_unshard, param_of
 from fxshard.passes.schedule import schedule_collectives_pass
 from fxshard.passes.tagging import tag_unshard_pass
 from fxshard.passes.units import form_units
+from fxshard.runtime.plans import ModelRuntime
 from fxshard.runtime.units import UNIT_GATHER, UNIT_GATHER_WAIT, UNIT_REDUCE, UNIT_REDUCE_WAIT, Units
 from tests.helpers import marker_plans, records
 
@@ -62,7 +63,7 @@ def _units() -> Units:
     """a (96 bytes) and b fill a unit of 100 bytes; c is the next unit; d is
     in none (a parameter the first graph never read)."""
     params = [records.param(i, name, shape, 2, world_size=WS) for i, (name, shape) in enumerate(SHAPES.items())]
-    units = Units(params, WS, "0", "1")
+    units = Units(ModelRuntime(), params, WS, "0", "1")
     units.form(form_units(units.params, ["a", "b", "c"], unit_bytes=100))
     assert [u.names for u in units.units] == [("a", "b"), ("c",)]
     return units

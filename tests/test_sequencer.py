@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import fxshard
 from fxshard.runtime import sequencer as seq_mod
-from fxshard.runtime.plans import PlanTable
+from fxshard.runtime.plans import ModelRuntime, PlanTable
 from fxshard.runtime.sequencer import Sequencer, seq_gather
 from tests.helpers import records
 
@@ -45,9 +45,9 @@ def _sequencer(trainable=(True, True, True, True)) -> tuple[Sequencer, list[torc
             value, trainable[i], add_grad=lambda g, i=i: grads.__setitem__(i, grads.get(i, 0) + g)))
         for i, (shape, value) in enumerate(zip(SHAPES, values))
     ]  # fmt: skip
-    table = PlanTable(tuple(p.plan for p in params), tuple(p.local_rows for p in params))
-    seq = Sequencer(table.id, params, 1, "g")
-    seq.table = table  # what the reads' ops find by id, alive with the sequencer
+    model = ModelRuntime(PlanTable(tuple(p.plan for p in params), tuple(p.local_rows for p in params)))
+    seq = model.sequencer = Sequencer(model.table.id, params, 1, "g")
+    seq.model = model  # what the reads' ops find by id, alive with the sequencer
     return seq, values, grads
 
 

@@ -25,8 +25,7 @@ from fxshard.module.reads import LocalShards
 from fxshard.module.shards import shard_parameter, slot_backed
 from fxshard.runtime import compat
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
-from fxshard.runtime.plans import Param, PlanTable
-from fxshard.runtime.sequencer import Sequencer
+from fxshard.runtime.plans import ModelRuntime, Param
 from fxshard.runtime.units import Units
 
 if TYPE_CHECKING:
@@ -44,11 +43,13 @@ CALLED_ROOTS: contextvars.ContextVar[list[nn.Module] | None] = contextvars.Conte
 class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
-    def __init__(self, shards: LocalShards, sequencer: Sequencer, sequenced: bool, gathered: tuple[Param, ...],
-                 device: torch.device, fqns: dict[int, str], table: PlanTable) -> None:  # fmt: skip
-        self.shards, self.sequencer, self.sequenced = shards, sequencer, sequenced
-        # The plans that read markers name (see [Note: markers name the plan]); held here, with the model.
-        self.table, self.stored_table = table, table.as_stored()
+    def __init__(self, shards: LocalShards, runtime: ModelRuntime, sequenced: bool, gathered: tuple[Param, ...],
+                 device: torch.device, fqns: dict[int, str]) -> None:  # fmt: skip
+        # What the model's graphs find by id (see [Note: one registry]); held here, with the model.
+        self.runtime = runtime
+        self.shards, self.sequencer, self.sequenced = shards, runtime.sequencer, sequenced
+        # The plans that read markers name (see [Note: markers name the plan]).
+        self.table, self.stored_table = runtime.table, runtime.stored
         self.gathered = gathered  # the parameters that graphs gather, for units (fxshard/runtime/units.py)
         self.device = device
         self.fqns = fqns  # id of each shard -> its parameter's name
@@ -56,8 +57,8 @@ class RootState:
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
         self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
-        self.store = GradStore(table.id, sequencer.reduce_one, self._note_kept)
-        sequencer.after_hold = self._note_kept
+        self.store = runtime.store = GradStore(self.sequencer.reduce_one, self._note_kept)
+        self.sequencer.after_hold = self._note_kept
         self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
         self.backend: FXShardBackend | None = None  # see attach

@@ -35,7 +35,7 @@ from fxshard.module.shards import HeldShard, shard_of
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
-from fxshard.runtime.plans import Param, PlanTable, rows_held
+from fxshard.runtime.plans import ModelRuntime, Param, PlanTable, rows_held
 from fxshard.runtime.sequencer import Sequencer
 from fxshard.runtime.topology import Topology
 
@@ -216,14 +216,15 @@ def shard_parameters(
         params.append(Param(len(params), spec, rows, HeldShard(first_mod, first_attr)))
     per_module.setdefault(model, {})
     table = PlanTable(tuple(p.plan for p in params), tuple(p.local_rows for p in params), count_group_name)
+    model_runtime = ModelRuntime(table)  # gives the table its id (see [Note: one registry])
     index = {spec.fqn: i for i, spec in enumerate(table.params)}
     replicas = topology.replicas
-    sequencer = Sequencer(table.id, params, topology.shard.size, topology.shard.name, replicas)
+    model_runtime.sequencer = Sequencer(table.id, params, topology.shard.size, topology.shard.name, replicas)
     kept = [p for p in params if p.plan.kept]
     shards = LocalShards(list(owners.values()), KeptParams(kept, replicas, bucket_bytes) if kept else None)
     # Units gather and reduce the shards that graphs gather.
     gathered = tuple(p for p in params if not p.plan.replicated and not p.plan.kept)
-    state = RootState(shards, sequencer, sequenced, gathered, topology.device, fqns, table)
+    state = RootState(shards, model_runtime, sequenced, gathered, topology.device, fqns)
     watch_unsynced(state)
     for mod, attrs in per_module.items():
         props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)

@@ -13,7 +13,6 @@ reduce]); run eagerly, the markers run those same collectives directly.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -48,11 +47,11 @@ SYNC, ACCUMULATE, FLUSH = 0, 1, 2
 
 
 class GradStore:
-    """One model's full gradients accumulated without sync, by plan index (see the Note); found by the plan's id."""
+    """One model's full gradients accumulated without sync, by plan index
+    (see the Note); the markers of the model's reads find it through their
+    plan's id (``plans.runtime``)."""
 
-    def __init__(self, plan: int, reduce_leftover: Callable[[int, torch.Tensor], None],
-                 after_add: Callable[[], None]) -> None:  # fmt: skip
-        _STORES[plan] = self  # the markers of the model's reads name its plan
+    def __init__(self, reduce_leftover: Callable[[int, torch.Tensor], None], after_add: Callable[[], None]) -> None:
         self.grads: dict[int, torch.Tensor] = {}
         self._reduce_leftover = reduce_leftover  # (plan index, full gradient): reduce it into .grad
         self._added = compat.AtBackwardEnd(after_add)  # when a backward that added gradients ends
@@ -74,9 +73,6 @@ class GradStore:
     def _reduce_leftovers(self) -> None:
         for index in sorted(self.grads):
             self._reduce_leftover(index, self.grads.pop(index))
-
-
-_STORES: weakref.WeakValueDictionary[int, GradStore] = weakref.WeakValueDictionary()
 
 
 def _no_alias(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -146,7 +142,7 @@ def accumulate_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     unreduced; the local gradient from this call is zero (see [Note:
     accumulation without sync])."""
     p = plans.param(plan, index)
-    _STORES[plan].add(index, grad, accumulated_dtype(p))
+    plans.runtime(plan).store.add(index, grad, accumulated_dtype(p))
     return grad.new_zeros((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
@@ -161,7 +157,7 @@ def take_accumulated(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """``grad`` plus what ``plan``'s store accumulated for parameter
     ``index``, in the reduce dtype; the stored sum is released (see [Note:
     accumulation without sync])."""
-    return _STORES[plan].take(index, grad, accumulated_dtype(plans.param(plan, index)))
+    return plans.runtime(plan).store.take(index, grad, accumulated_dtype(plans.param(plan, index)))
 
 
 @take_accumulated.register_fake

@@ -56,7 +56,7 @@ import enum
 import hashlib
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -208,16 +208,16 @@ class PlanTable:
     """One model's parameter plans as graphs name them (see the Note).
     ``local_rows``: this rank's rows of each parameter (all of a replicated
     one's; ``rows_held``); ``count_group_name``: the CPU group on which
-    sharded lookups compare token counts ("" for none)."""
+    sharded lookups compare token counts ("" for none). Its ``id`` is given
+    when a ``ModelRuntime`` names it."""
 
     def __init__(self, params: tuple[ParamPlan, ...], local_rows: tuple[int, ...], count_group_name: str = "") -> None:
         self.params, self.local_rows, self.count_group_name = params, local_rows, count_group_name
-        content = repr((params, local_rows, count_group_name)).encode()
-        uid = int.from_bytes(hashlib.sha256(content).digest()[:7], "little")
-        while _TABLES.get(uid) is not None:
-            uid += 1
-        self.id = uid
-        _TABLES[uid] = self
+        self.id: int | None = None
+
+    @property
+    def content(self) -> bytes:
+        return repr((self.params, self.local_rows, self.count_group_name)).encode()
 
     def as_stored(self) -> PlanTable:
         """The same plans gathering in the stored dtype: reads outside a root
@@ -227,14 +227,67 @@ class PlanTable:
         )
 
 
-_TABLES: weakref.WeakValueDictionary[int, PlanTable] = weakref.WeakValueDictionary()
+class ModelRuntime:
+    """One model's run-time state, found by any id its graphs carry.
+
+    [Note: one registry]
+    Compiled graphs name what they need by integers (see [Note: markers name
+    the plan]): read and reduce markers and sequenced reads name a plan
+    table, unit collectives name the units' layout. Every such id of one
+    model leads here, to its one ``ModelRuntime``: its two tables (``table``,
+    read by its root call's graphs, and ``stored``, by reads outside them),
+    its gradient store (runtime/ops.py), its sequencer (runtime/sequencer.py)
+    and its units (runtime/units.py). The registry is weak: the model's root
+    state holds its runtime, and a freed model's ids go with it. An id is a
+    hash of what it names, never a process counter, so that graphs that torch
+    caches on disk, with ids baked in, mean the same facts in any process; a
+    live id is never given twice (two copies of one model take the next free
+    ones)."""
+
+    def __init__(self, table: PlanTable | None = None) -> None:
+        self.tables: dict[int, PlanTable] = {}
+        self.table = self.stored = None
+        self.store: Any = None  # GradStore, set by the root state
+        self.sequencer: Any = None  # Sequencer
+        self.units: Any = None  # Units, once formed from the first graph
+        if table is not None:
+            self.table = self.name(table)
+            stored = table.as_stored()  # the same table where every parameter computes in its stored dtype
+            self.stored = table if stored.content == table.content else self.name(stored)
+
+    def name(self, table: PlanTable) -> PlanTable:
+        """Give ``table`` its id, by which graphs find this runtime."""
+        table.id = _register(self, table.content)
+        self.tables[table.id] = table
+        return table
+
+    def name_units(self, units: Any, layout: bytes) -> int:
+        """Hold ``units`` and return the id of their ``layout``, by which unit collectives find them."""
+        self.units = units
+        return _register(self, layout)
+
+
+_MODELS: weakref.WeakValueDictionary[int, ModelRuntime] = weakref.WeakValueDictionary()
+
+
+def _register(model: ModelRuntime, content: bytes) -> int:
+    uid = int.from_bytes(hashlib.sha256(content).digest()[:7], "little")
+    while uid in _MODELS:
+        uid += 1
+    _MODELS[uid] = model
+    return uid
+
+
+def runtime(id: int) -> ModelRuntime:
+    """The runtime of the model whose graphs name ``id``."""
+    try:
+        return _MODELS[id]
+    except KeyError:
+        raise RuntimeError(f"fxshard: no live model has id {id}; the model whose graph names it was freed") from None
 
 
 def table(plan: int) -> PlanTable:
-    try:
-        return _TABLES[plan]
-    except KeyError:
-        raise RuntimeError(f"fxshard: no live plan {plan}; the model whose graph names it was freed") from None
+    return runtime(plan).tables[plan]
 
 
 def param(plan: int, index: int) -> ParamPlan:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -60,10 +59,6 @@ class _Call:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-# By plan id. Weak: a deleted model's sequencer (and, through its params, its shards) must go.
-_SEQUENCERS: weakref.WeakValueDictionary[int, Sequencer] = weakref.WeakValueDictionary()
-
-
 class Sequencer:
     """Issues one model's gathers and reduces in plan order (see the Note)."""
 
@@ -75,13 +70,13 @@ class Sequencer:
         group_name: str,
         replicas: Replicas | None = None,
     ) -> None:
-        """``plan``: the id of the model's plan table, by which the ops of
-        sequenced reads find this sequencer; ``params`` in its order."""
+        """``plan``: the id of the model's plan table, which the ops of
+        sequenced reads carry (the model's ``plans.ModelRuntime`` holds the
+        sequencer); ``params`` in its order."""
         self.params = tuple(params)
         self.world_size, self.group_name = world_size, group_name
         self.replicas = replicas  # HSDP: gradients are averaged across them too (see [Note: HSDP])
         self.plan = plan
-        _SEQUENCERS[plan] = self
         self._calls = itertools.count()
         self._current: _Call | None = None
         self._pending: dict[int, _Call] = {}  # grad-mode calls whose reduces wait for backward
@@ -224,7 +219,7 @@ class Sequencer:
 @torch.library.custom_op("fxshard::seq_gather", mutates_args=())
 def seq_gather(anchor: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """The full parameter ``index`` of ``plan``, gathered by the model's sequencer (see the Note)."""
-    return _SEQUENCERS[plan].read(int(anchor.item()), index)
+    return plans.runtime(plan).sequencer.read(int(anchor.item()), index)
 
 
 @seq_gather.register_fake
@@ -237,7 +232,7 @@ def _seq_gather_fake(anchor, plan, index):
 def seq_grad(grad: torch.Tensor, anchor: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """Hand the gradient of a sequenced read to the sequencer; returns the
     anchor's (zero) gradient."""
-    _SEQUENCERS[plan].add_grad(int(anchor.item()), index, grad)
+    plans.runtime(plan).sequencer.add_grad(int(anchor.item()), index, grad)
     return torch.zeros_like(anchor)
 
 

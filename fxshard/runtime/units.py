@@ -82,18 +82,16 @@ Where the buffers live (communication has none of its own):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fxshard.runtime import compat
+from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import Replicas, chunk_rows
-from fxshard.runtime.plans import Param
+from fxshard.runtime.plans import ModelRuntime, Param
 from fxshard.runtime.rank_checks import check_collective
 
 log = logging.getLogger("fxshard")
@@ -220,23 +218,19 @@ def _starts_slot(m: Member, slot: torch.Tensor) -> bool:
     )
 
 
-# Units by id: compiled graphs name theirs by id. An id is a hash of the
-# layout (see ``Units._register``), so that graphs that torch caches on disk
-# fit any process that forms the same units, whatever it compiled before.
-_UNITS: weakref.WeakValueDictionary[int, Units] = weakref.WeakValueDictionary()
-
-
 class Units:
     """A model's units and the collectives in flight."""
 
     def __init__(
         self,
+        model: ModelRuntime,
         params: Sequence[Param],
         world_size: int,
         group_name: str,
         reduce_group_name: str,
         replicas: Replicas | None = None,
     ) -> None:
+        self.model = model  # which holds these units once formed, and names their layout
         self.params = {p.fqn: p for p in params}
         self.world_size = world_size
         self.group_name, self.reduce_group_name = group_name, reduce_group_name
@@ -250,18 +244,15 @@ class Units:
         self.id: int | None = None  # set when the units are formed
 
     def _register(self) -> None:
-        """Take the id of this layout (the next free one if another live Units
-        of the same layout holds it)."""
+        """Take the id of this layout (the next free one if another live model's
+        units of the same layout hold it): compiled graphs name the units by it,
+        and torch caches them on disk (see [Note: one registry] in runtime/plans.py)."""
         layout = (self.world_size, [[(m.param.fqn, m.param.shape, m.param.local_rows, m.chunk, m.row, m.offset,
                                       m.param.shard_dtype, m.param.gather_dtype, m.param.reduce_dtype, m.param.device)
                                      for m in u.members] for u in self.units])  # fmt: skip
         if self.replicas is not None:  # HSDP graphs average across replicas (see bucket_collectives)
             layout += (self.replicas.size,)
-        uid = int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:7], "little")
-        while _UNITS.get(uid) not in (None, self):
-            uid += 1
-        self.id = uid
-        _UNITS[uid] = self
+        self.id = self.model.name_units(self, repr(layout).encode())
 
     @property
     def assigned(self) -> bool:
@@ -466,7 +457,7 @@ class Units:
 
 
 def units_of(units_id: int) -> Units:
-    return _UNITS[units_id]
+    return plans.runtime(units_id).units
 
 
 # The ops compiled graphs call. Each start returns an empty token that its

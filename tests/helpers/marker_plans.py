@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, PlanTable, Reduce
+from fxshard.runtime.plans import Lifetime, ModelRuntime, ParamPlan, Placement, PlanTable, Reduce
 
 # Alive for the test session: the graphs' markers name them by id.
-_LIVE: dict[tuple, PlanTable] = {}
+_LIVE: dict[tuple, ModelRuntime] = {}
 
 
 def sharded(
@@ -28,5 +28,5 @@ def sharded(
         p = ParamPlan(param, Placement.SHARD, Reduce.REDUCE_SCATTER, Lifetime.LAST_USE, shape[0], world_size,
                       group_name, reduce_group_name, dtype, reduce_dtype, True, shape, torch.float32,
                       torch.device("cpu"))  # fmt: skip
-        _LIVE[key] = PlanTable((p,), (local_rows,))
-    return _LIVE[key].id, 0
+        _LIVE[key] = ModelRuntime(PlanTable((p,), (local_rows,)))
+    return _LIVE[key].table.id, 0
