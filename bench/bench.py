@@ -60,7 +60,9 @@ step. TFLOP/s per GPU = FLOPs per token (bench/models.py) x tokens / step time.
 ``--profile N`` adds, per step over the last N steps, the GPU-busy time (the
 union of all kernels) next to the step time, compute-busy, NCCL and exposed
 NCCL time, and kernel time by kind (matmul, attention, optimizer, Triton,
-NCCL, other). Report the device, GPU count, torch and NCCL versions (in the
+NCCL, other). ``--profile-host`` adds the host side of the same steps:
+the ops that take the most host time (self time per step, calls per step),
+for a step the GPU waits on. Report the device, GPU count, torch and NCCL versions (in the
 JSON's ``meta``) with every number; compare systems of one run side by side.
 The driver prints a table and writes JSON; ``bench/plot.py`` draws it.
 """
@@ -133,6 +135,7 @@ GRAPH_WARMUP = 2  # fxshard.cuda_graph(warmup=...): eager calls; the next one ca
 GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent")
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
+PROFILE_HOST = False  # --profile-host: the profiled steps' host ops too
 TRACE_DIR = os.environ.get("BENCH_TRACE_DIR")  # where rank 0 writes the profiled steps' Chrome trace
 MEMORY_STEP = None  # the step whose allocations are traced to its peak (--memory-step)
 MICRO_BATCHES = 1  # forward and backward per micro-batch of --batch, one optimizer step (--micro-batches)
@@ -279,8 +282,9 @@ def timed_steps(step, batches: list[torch.Tensor]) -> dict:
     phase_times(reset=True)
     for i, tokens in enumerate(batches):
         if PROFILE and i == len(batches) - PROFILE:
-            activity = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
-            out["profiler"] = torch.profiler.profile(activities=[activity])
+            kinds = torch.profiler.ProfilerActivity
+            activities = {kinds.CUDA if DEVICE == "cuda" else kinds.CPU, *([kinds.CPU] if PROFILE_HOST else [])}
+            out["profiler"] = torch.profiler.profile(activities=list(activities))
             out["profiler"].__enter__()
         if MEMORY_STEP == i and DEVICE == "cuda":
             base = memtrace.start()
@@ -365,6 +369,8 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
         result.update(fxshard_plan_facts(model))
     if run["profiler"] is not None:
         result["profile"] = kernel_profile(run["profiler"], PROFILE)
+        if PROFILE_HOST:
+            result["host_ops"] = host_ops(run["profiler"], PROFILE)
         if TRACE_DIR and rank == 0:
             run["profiler"].export_chrome_trace(str(Path(TRACE_DIR) / f"trace-{name}-{system}.json"))
     return result
@@ -390,6 +396,14 @@ def _covered(intervals: list[tuple[float, float]], cover: list[tuple[float, floa
             total += min(b, cover[k][1]) - max(a, cover[k][0])
             k += 1
     return total
+
+
+def host_ops(profiler, steps: int, top: int = 15) -> list[dict]:
+    """The ops (and Python-level events: autograd nodes, compiled graphs'
+    calls) with the most host self time in the profiled steps, per step."""
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"name": e.key, "calls": e.count / steps, "self_ms": e.self_cpu_time_total / 1e3 / steps,
+             "total_ms": e.cpu_time_total / 1e3 / steps} for e in events]  # fmt: skip
 
 
 def kernel_profile(profiler, steps: int) -> dict:
@@ -527,6 +541,9 @@ def details(r: dict) -> list[str]:
         if p.get("idle_by_transition"):
             where = "; ".join(f"{k}: {n:.0f} gaps, {ms:.2f} ms" for k, (n, ms) in p["idle_by_transition"].items())
             lines.append(f"{name} idle per step by transition ({p['streams']} streams): {where}")
+    if r.get("host_ops"):
+        ops = "; ".join(f"{o['name']} {o['self_ms']:.2f} ({o['calls']:.0f} calls)" for o in r["host_ops"])
+        lines.append(f"{name} host self ms per step by op: {ops}")
     if "host_ms" in r:
         lines.append(f"{name} host time per step until the call returned: {r['host_ms']:.2f} ms")
     if r.get("host_phases_ms"):
@@ -583,6 +600,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     )
     parser.add_argument("--prefetch", type=int, default=None, help="fxshard.compile(prefetch=...)")
     parser.add_argument("--profile", type=int, default=0, help="profile the GPU kernels of the last N steps")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="with --profile: the host ops of those steps too (host self time per op)")  # fmt: skip
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="micro-batches of --batch per optimizer step, each with its backward; each reduces "
                         "its gradients, or only the last with --strategy no_sync")  # fmt: skip
@@ -617,7 +636,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 
 # Options the driver passes on to each system's process as they were given.
-FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "memory_step", "fake_world",
+FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "profile_host", "memory_step", "fake_world",
              "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "fxshard_tree", "capturable")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -724,13 +743,16 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 
 def main() -> None:
     parser, args = parse_args()
-    global DEVICE, PROFILE, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH, CAPTURABLE_OPTIMIZER
+    global DEVICE, PROFILE, PROFILE_HOST, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH
+    global CAPTURABLE_OPTIMIZER
     DEVICE = args.device
     MICRO_BATCHES = args.micro_batches or 1
     FROZEN_LAYERS = args.frozen_layers
     STRATEGY, OPTIMIZER, CAPTURABLE_OPTIMIZER = args.strategy, args.optimizer, args.capturable
     MESH = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
-    PROFILE = args.profile
+    PROFILE, PROFILE_HOST = args.profile, args.profile_host
+    if PROFILE_HOST and not PROFILE:
+        parser.error("--profile-host profiles the steps that --profile N names: give --profile too")
     MEMORY_STEP = args.memory_step
     for key, value in (("prefetch", args.prefetch), ("unit_mb", args.unit_mb)):
         if value is not None:

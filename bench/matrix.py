@@ -141,6 +141,8 @@ def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: fl
     flags = [*row.flags(), f"--only-system={system}", f"--out={out}", f"--device={DEVICE}"]
     if PROFILE:
         flags.append(f"--profile={PROFILE}")
+        if PROFILE_HOST:
+            flags.append("--profile-host")
     if MEMORY_STEP is not None:
         flags.append(f"--memory-step={MEMORY_STEP}")
     if tree is not None:
@@ -307,11 +309,12 @@ def write_readme(readme: Path, table: str, source: str, name: str | None = None)
 
 DEVICE = "cuda"
 PROFILE = 0  # --profile: profile the last N steps of every system
+PROFILE_HOST = False  # --profile-host: their host ops too
 MEMORY_STEP = None  # --memory-step: what is alive at this step's peak, for every system
 
 
 def main() -> None:
-    global DEVICE, PROFILE, MEMORY_STEP
+    global DEVICE, PROFILE, PROFILE_HOST, MEMORY_STEP
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="*", help="comma-separated fnmatch patterns of row names (--list)")
     parser.add_argument("--baseline", default=None,
@@ -325,6 +328,7 @@ def main() -> None:
                         "(host-bound steps vary by about 20%% between processes)")  # fmt: skip
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test (gloo)")
     parser.add_argument("--profile", type=int, default=0, help="profile every system's last N steps (kernels)")
+    parser.add_argument("--profile-host", action="store_true", help="with --profile: the host ops too")
     parser.add_argument("--memory-step", type=int, default=None, help="list what is alive at step N's peak")
     parser.add_argument("--list", action="store_true", help="print the rows and exit")
     parser.add_argument("--table", default=None, help="print the markdown table of this JSON and exit")
@@ -332,7 +336,9 @@ def main() -> None:
     parser.add_argument("--table-name", default=None, help="with --readme: the markers bench-table:NAME")
     parser.add_argument("--merge", nargs="+", default=None, help="merge these runs' JSON into --out")
     args = parser.parse_args()
-    DEVICE, PROFILE, MEMORY_STEP = args.device, args.profile, args.memory_step
+    DEVICE, PROFILE, PROFILE_HOST, MEMORY_STEP = args.device, args.profile, args.profile_host, args.memory_step
+    if PROFILE_HOST and not PROFILE:
+        parser.error("--profile-host profiles the steps that --profile N names: give --profile too")
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give 1 or more")
     if args.list:

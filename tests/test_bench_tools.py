@@ -57,9 +57,24 @@ def test_gpu_busy_is_the_union_of_all_kernels():
     assert "note" in bench.kernel_profile(SimpleNamespace(events=list), steps=1)
 
 
+def test_host_ops_are_those_with_the_most_host_time_per_step():
+    cpu = bench.torch.profiler.ProfilerActivity.CPU
+    with bench.torch.profiler.profile(activities=[cpu]) as profiler:
+        for _ in range(2):  # two steps of one matmul each
+            x = bench.torch.ones(64, 64)
+            (x @ x).sum()
+    ops = bench.host_ops(profiler, steps=2, top=50)
+    assert [o["self_ms"] for o in ops] == sorted((o["self_ms"] for o in ops), reverse=True)
+    mm = next(o for o in ops if o["name"] == "aten::mm")
+    assert mm["calls"] == 1 and 0 < mm["self_ms"] <= mm["total_ms"]
+    assert len(bench.host_ops(profiler, steps=2, top=2)) == 2
+    lines = bench.details({"system": "fxshard", "model": "tiny", "host_ops": ops[:2]})
+    assert lines[0].startswith("fxshard tiny host self ms per step by op: ") and "calls)" in lines[0]
+
+
 def _args(**kw) -> SimpleNamespace:
-    base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, memory_step=None,
-                fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None, frozen_layers=0,
+    base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, profile_host=False,
+                memory_step=None, fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None, frozen_layers=0,
                 micro_batches=None, strategy="zero3", optimizer="adamw", mesh=None, fxshard_tree=None,
                 capturable=False)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
@@ -77,6 +92,8 @@ def test_each_system_gets_a_process_of_its_own(monkeypatch):
     )
     for flag in ("--frozen-layers=2", "--micro-batches=4", "--strategy=no_sync", "--mesh=2,2", "--fxshard-tree=/t"):
         assert flag in forwarded
+    profiled = bench.child_command(_args(profile=2, profile_host=True), "fxshard", Path("o"))
+    assert "--profile=2" in profiled and "--profile-host" in profiled
     fake = bench.child_command(_args(fake_world=8), "fxshard", Path("o.json"))
     assert "torch.distributed.run" not in fake and "--fake-world=8" in fake
 
