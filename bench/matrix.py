@@ -282,12 +282,15 @@ def markdown(data: dict) -> str:
         else:
             ours_cell = cell(ours)
         vs_base = ratio(ours, base, "step_ms")
+        # Further baselines (--baseline A,B): the table compares with the first; the others are named in its cell.
+        others = [(k.split("@", 1)[1], v) for k, v in r.items() if k.startswith(f"{ours_key}@") and v is not base]
+        base_cell = "; ".join([cell(base)] * bool(base) + [f"{c}: {cell(v)}" for c, v in others]) or "-"
         tflops = ours.get("tflops_per_gpu") if ours else None
         mfu = f"{tflops:.0f} ({tflops / GEMM_PEAK:.0%} / {tflops / DATASHEET_PEAK:.0%})" if tflops else "-"
         shown, missed = verdict(row)
         lines.append(
             f"| {name} | {cell(r.get('fsdp2_compile'))} | {ours_cell} | {', '.join(shown) or '-'} | "
-            f"{cell(base)} | {f'{vs_base:.2f}x' if vs_base else '-'} | {mfu} | {'; '.join(missed) or 'none'} |"
+            f"{base_cell} | {f'{vs_base:.2f}x' if vs_base else '-'} | {mfu} | {'; '.join(missed) or 'none'} |"
         )
     return "\n".join(lines)
 

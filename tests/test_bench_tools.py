@@ -163,7 +163,7 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
         rows=[
             dict(row=vars(matrix.ROWS[0]) | {}, results={
                 "fsdp2_compile": _result(100.0, 4.0), "fxshard": _result(80.0, 3.9),
-                "fxshard@bbbbbbb": _result(120.0, 3.9)}),
+                "fxshard@bbbbbbb": _result(120.0, 3.9), "fxshard@ccccccc": _result(90.0, 3.9)}),
             dict(row=vars(matrix.Row("moe b2", "moe", 2)), results={
                 "fsdp2_compile": _result(50.0, 3.0), "fxshard": _result(40.0, 3.3)}),
             dict(row=vars(matrix.Row("g", "375m", 1, graph=True)), results={
@@ -175,6 +175,7 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
     lines = matrix.markdown(data).splitlines()
     dense, moe, graph, hsdp = lines[-4:]
     assert "time 0.80x, memory 0.97x" in dense and "| 0.67x |" in dense and dense.endswith("| none |")
+    assert "| 120.0 ms, 3.90 / 3.90 GiB; ccccccc: 90.0 ms, 3.90 / 3.90 GiB |" in dense  # a second baseline, named
     assert "time 0.800x > 0.6x" in moe and "memory 1.100x > 1.0" in moe
     assert "reserved vs uncaptured 1.200x > 1.05x" in graph and "time vs uncaptured 0.33x" in graph
     assert "skipped: needs 4 GPUs" in hsdp
