@@ -46,7 +46,7 @@ from fxshard.module.optimizers import count_optimizer_steps
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many
-from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore, accumulated_dtype
+from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore
 from fxshard.runtime.plans import Param
 from fxshard.runtime.rank_checks import GraphAgreement
 
@@ -78,10 +78,10 @@ class KeptParams:
             return
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
         with torch.inference_mode(False), torch.no_grad():
-            for bucket in self._buckets(list(self.members), lambda s: s.dtype or s.shard_dtype):
+            for bucket in self._buckets(list(self.members), lambda s: s.gather_dtype):
                 first = self.members[bucket[0]].plan
                 gathered = gather_many([locals_[i] for i in bucket], [self.members[i].plan.dim0 for i in bucket],
-                                       first.world_size, first.group_name, first.dtype or first.shard_dtype)  # fmt: skip
+                                       first.world_size, first.group_name, first.gather_dtype)  # fmt: skip
                 for i, full in zip(bucket, gathered):
                     held = self.full.get(i)
                     if held is None:
@@ -147,11 +147,11 @@ class _KeptFull(torch.autograd.Function):
         got = {i: g for i, g in zip(ctx.indices, grads) if g is not None}
         if ctx.phase == ACCUMULATE:  # kept whole; the shards' gradients from this call are zero
             for i, g in got.items():
-                ctx.store.add(i, g, accumulated_dtype(kept.members[i].plan))
+                ctx.store.add(i, g, kept.members[i].plan.summed_dtype)
             zeros = [_zero_shard(kept, i) if i in got else None for i in ctx.indices]
             return (None, None, None, None, *as_dtensor_grads(tuple(zeros), ctx.metas, None))
         if ctx.phase == FLUSH:
-            got = {i: ctx.store.take(i, g, accumulated_dtype(kept.members[i].plan)) for i, g in got.items()}
+            got = {i: ctx.store.take(i, g, kept.members[i].plan.summed_dtype) for i, g in got.items()}
         if kept.agreement is not None:
             # The reduces coalesce what got a gradient: ranks whose graphs
             # differ (a branch on the rank) would pair one parameter's
@@ -161,10 +161,10 @@ class _KeptFull(torch.autograd.Function):
                                  ("ZeRO-1 reduce", *(f"gradient of {kept.members[i].plan.fqn!r}" for i in got)))  # fmt: skip
         shards: list[torch.Tensor | None] = [None] * len(grads)
         where = {i: j for j, i in enumerate(ctx.indices)}
-        for bucket in kept._buckets(list(got), accumulated_dtype):
+        for bucket in kept._buckets(list(got), lambda s: s.summed_dtype):
             s = kept.members[bucket[0]].plan
             reduced = reduce_many([got[i] for i in bucket], [kept.members[i].local_rows for i in bucket], s.world_size,
-                                  s.reduce_group_name, accumulated_dtype(s),
+                                  s.reduce_group_name, s.summed_dtype,
                                   [kept.members[i].plan.shard_dtype for i in bucket])  # fmt: skip
             for i, shard in zip(bucket, reduced):
                 shards[where[i]] = shard

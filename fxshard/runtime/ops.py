@@ -131,18 +131,13 @@ def _reduce_grad_fake(grad, plan, index):
     return grad.new_empty((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
-def accumulated_dtype(p: plans.ParamPlan) -> torch.dtype:
-    """The dtype gradients accumulate in without sync: the reduce dtype."""
-    return p.reduce_dtype or p.dtype or p.shard_dtype
-
-
 @torch.library.custom_op("fxshard::accumulate_grad", mutates_args=())
 def accumulate_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """Add the full gradient of parameter ``index`` into ``plan``'s store,
     unreduced; the local gradient from this call is zero (see [Note:
     accumulation without sync])."""
     p = plans.param(plan, index)
-    plans.runtime(plan).store.add(index, grad, accumulated_dtype(p))
+    plans.runtime(plan).store.add(index, grad, p.summed_dtype)
     return grad.new_zeros((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
@@ -157,12 +152,12 @@ def take_accumulated(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """``grad`` plus what ``plan``'s store accumulated for parameter
     ``index``, in the reduce dtype; the stored sum is released (see [Note:
     accumulation without sync])."""
-    return plans.runtime(plan).store.take(index, grad, accumulated_dtype(plans.param(plan, index)))
+    return plans.runtime(plan).store.take(index, grad, plans.param(plan, index).summed_dtype)
 
 
 @take_accumulated.register_fake
 def _take_accumulated_fake(grad, plan, index):
-    return grad.new_empty(grad.shape, dtype=accumulated_dtype(plans.param(plan, index)))
+    return grad.new_empty(grad.shape, dtype=plans.param(plan, index).summed_dtype)
 
 
 def _phase_backward(grad: torch.Tensor, plan: int, index: int, phase: int,

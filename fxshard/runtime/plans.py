@@ -114,10 +114,18 @@ class ParamPlan:
         """Sharded, and held gathered between steps (ZeRO-1; see [Note: ZeRO-1])."""
         return self.placement is Placement.SHARD and self.lifetime is Lifetime.ALWAYS
 
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype it is gathered and computed in (``dtype``, resolved)."""
+        return self.dtype or self.shard_dtype
+
+    @property
+    def summed_dtype(self) -> torch.dtype:
+        """The dtype its gradient is reduced and accumulated in (``reduce_dtype``, resolved)."""
+        return self.reduce_dtype or self.gather_dtype
+
     def describe(self) -> str:
-        dtypes = (
-            f"{_dtype(self.dtype or self.shard_dtype)}/{_dtype(self.reduce_dtype or self.dtype or self.shard_dtype)}"
-        )
+        dtypes = f"{_dtype(self.gather_dtype)}/{_dtype(self.summed_dtype)}"
         return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {placement_text(self)}, "
                 f"compute/reduce {dtypes}, gradient {reduce_text(self)}, gathered value {self.lifetime.value}")  # fmt: skip
 
@@ -169,12 +177,12 @@ class Param:
 
     @property
     def gather_dtype(self) -> torch.dtype:
-        return self.plan.dtype or self.plan.shard_dtype
+        return self.plan.gather_dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         """The dtype a reduce sums in."""
-        return self.plan.reduce_dtype or self.gather_dtype
+        return self.plan.summed_dtype
 
     @property
     def device(self) -> torch.device:

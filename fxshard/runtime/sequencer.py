@@ -225,7 +225,7 @@ def seq_gather(anchor: torch.Tensor, plan: int, index: int) -> torch.Tensor:
 @seq_gather.register_fake
 def _seq_gather_fake(anchor, plan, index):
     p = plans.param(plan, index)
-    return torch.empty(p.shape, dtype=p.dtype or p.shard_dtype, device=p.device)
+    return torch.empty(p.shape, dtype=p.gather_dtype, device=p.device)
 
 
 @torch.library.custom_op("fxshard::seq_grad", mutates_args=())
