@@ -163,8 +163,7 @@ class HeldShard:
     def add_grad(self, grad: torch.Tensor) -> None:
         param = self.module._parameters[self.attr]
         if param.grad is None:
-            param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
-                                            shape=param.shape, stride=param.stride())  # fmt: skip
+            param.grad = grad_dtensor(grad, compat.dtensor_spec(param))
         else:
             param.grad.to_local().add_(grad)
 
@@ -198,24 +197,32 @@ def local_rows(param: DTensor) -> tuple[int, int]:
     return shard_range(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
 
 
-def dtensor_metas(params: tuple[DTensor, ...]) -> list[tuple]:
-    """What ``as_dtensor_grads`` needs of each parameter, kept by an autograd node."""
-    return [(p.device_mesh, p.placements, p.shape, p.stride()) for p in params]
+def dtensor_metas(params: tuple[DTensor, ...]) -> list:
+    """What ``as_dtensor_grads`` needs of each parameter, kept by an autograd node: its spec."""
+    return [compat.dtensor_spec(p) for p in params]
 
 
-def as_dtensor_grads(grads: tuple[torch.Tensor | None, ...], metas: list[tuple],
+def as_dtensor_grads(grads: tuple[torch.Tensor | None, ...], specs: list,
                      replicas: Replicas | None) -> tuple[DTensor | None, ...]:  # fmt: skip
-    """Local gradients as their parameters' DTensor gradients (``metas`` from
+    """Local gradients as their parameters' DTensor gradients (``specs`` from
     ``dtensor_metas``), averaged across HSDP ``replicas`` first (see [Note: HSDP])."""
     grads = list(grads)
     if replicas is not None:
         present = [i for i, g in enumerate(grads) if g is not None]
         for i, g in zip(present, replicas.average([grads[i] for i in present])):
             grads[i] = g
-    return tuple(
-        None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
-        for g, (mesh, placements, shape, stride) in zip(grads, metas)
-    )
+    return tuple(None if g is None else grad_dtensor(g, spec) for g, spec in zip(grads, specs))
+
+
+def grad_dtensor(grad: torch.Tensor, spec: Any) -> DTensor:
+    """``grad``, this rank's part of a parameter's gradient, as a DTensor laid
+    out as the parameter (``spec``). The parameter's own spec where the dtypes
+    agree (no spec built, no autograd node: see ``compat.dtensor_of_spec``);
+    ``from_local`` where the gradient has a graph of its own (``create_graph``)."""
+    if grad.dtype == spec.tensor_meta.dtype and not grad.requires_grad:
+        return compat.dtensor_of_spec(grad, spec)
+    return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                              stride=spec.stride)  # fmt: skip
 
 
 def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:

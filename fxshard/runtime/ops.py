@@ -19,6 +19,7 @@ import torch
 
 from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
+from fxshard.runtime.library import runtime_op
 from fxshard.runtime.rank_checks import check_collective
 
 # [Note: accumulation without sync]
@@ -131,7 +132,7 @@ def _reduce_grad_fake(grad, plan, index):
     return grad.new_empty((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
-@torch.library.custom_op("fxshard::accumulate_grad", mutates_args=())
+@runtime_op("accumulate_grad")
 def accumulate_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """Add the full gradient of parameter ``index`` into ``plan``'s store,
     unreduced; the local gradient from this call is zero (see [Note:
@@ -147,7 +148,7 @@ def _accumulate_grad_fake(grad, plan, index):
     return grad.new_empty((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
 
 
-@torch.library.custom_op("fxshard::take_accumulated", mutates_args=())
+@runtime_op("take_accumulated")
 def take_accumulated(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """``grad`` plus what ``plan``'s store accumulated for parameter
     ``index``, in the reduce dtype; the stored sum is released (see [Note:
@@ -197,7 +198,7 @@ def _replicate_fake(local, plan, index, phase=SYNC):
     return local.new_empty(local.shape, dtype=plans.param(plan, index).dtype or local.dtype)
 
 
-@torch.library.custom_op("fxshard::all_reduce_grad", mutates_args=())
+@runtime_op("all_reduce_grad")
 def all_reduce_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
     """All-reduce the gradient of the replicated parameter ``index`` of ``plan``,
     averaged (on an HSDP mesh, over the replicas too)."""

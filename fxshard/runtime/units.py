@@ -91,6 +91,7 @@ import torch
 
 from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import Replicas, chunk_rows
+from fxshard.runtime.library import runtime_op
 from fxshard.runtime.plans import ModelRuntime, Param
 from fxshard.runtime.rank_checks import check_collective
 
@@ -464,7 +465,7 @@ def units_of(units_id: int) -> Units:
 # wait takes, so the graph orders them; the buffers stay in the runtime.
 
 
-@torch.library.custom_op("fxshard::unit_gather", mutates_args=())
+@runtime_op("unit_gather")
 def unit_gather(shards: list[torch.Tensor], units: int, unit: int) -> torch.Tensor:
     """Start the all-gather of ``unit`` (``shards``: the members this graph
     reads, for ordering; the data comes from the unit's slots)."""
@@ -478,7 +479,7 @@ def _(shards, units, unit):
     return torch.empty(0, device=units_of(units).units[unit].device)
 
 
-@torch.library.custom_op("fxshard::unit_gather_wait", mutates_args=())
+@runtime_op("unit_gather_wait")
 def unit_gather_wait(token: torch.Tensor, units: int, unit: int) -> torch.Tensor:
     """Wait for the gather; return the members' full parameters, end to end
     in ``world_size * slot`` blocks (see [Note: units and flat shards])."""
@@ -492,7 +493,7 @@ def _(token, units, unit):
     return torch.empty(u.world_size * v.numel, dtype=v.gather_dtype, device=v.device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce", mutates_args=())
+@runtime_op("unit_reduce")
 def unit_reduce(inp: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Start the reduce-scatter of ``members`` of ``unit``; ``inp`` is their
     full gradients laid out rank-major in the reduce dtype (``world_size x
@@ -507,7 +508,7 @@ def _(inp, units, unit, members):
     return torch.empty(0, device=units_of(units).units[unit].device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce_wait", mutates_args=())
+@runtime_op("unit_reduce_wait")
 def unit_reduce_wait(token: torch.Tensor, inp: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Wait for the reduce; return this rank's averaged gradient slots, end to
     end, in the shard dtype (the collective's own output where that is its dtype).
@@ -524,7 +525,7 @@ def _(token, inp, units, unit, members):
     return torch.empty(numel, dtype=v.shard_dtype, device=v.device)
 
 
-@torch.library.custom_op("fxshard::unit_reduce_replicas", mutates_args=())
+@runtime_op("unit_reduce_replicas")
 def unit_reduce_replicas(
     token: torch.Tensor, inp: torch.Tensor, units: int, unit: int, members: list[int]
 ) -> torch.Tensor:
@@ -541,7 +542,7 @@ def _(token, inp, units, unit, members):
     return torch.empty(0, device=units_of(units).units[unit].device)
 
 
-@torch.library.custom_op("fxshard::unit_replicas_wait", mutates_args=())
+@runtime_op("unit_replicas_wait")
 def unit_replicas_wait(token: torch.Tensor, units: int, unit: int, members: list[int]) -> torch.Tensor:
     """Wait for the all-reduce across replicas; return this rank's gradient
     slots averaged over the whole mesh, end to end, in the shard dtype."""

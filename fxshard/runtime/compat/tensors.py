@@ -12,6 +12,7 @@ import torch
 __all__ = [
     "assert_async",
     "disable_torch_function_subclass",
+    "dtensor_of_spec",
     "dtensor_spec",
     "foreach_copy_",
     "local_tensor",
@@ -31,6 +32,17 @@ def disable_torch_function_subclass() -> Any:
 def dtensor_spec(dtensor: Any) -> Any:
     """A DTensor's spec (mesh, placements, global shape), to build another DTensor of it."""
     return dtensor._spec
+
+
+def dtensor_of_spec(local: torch.Tensor, spec: Any) -> Any:
+    """A DTensor of ``spec`` holding ``local`` itself, as FSDP2's
+    ``_from_local_no_grad`` makes its gradients: ``DTensor.from_local``
+    builds a spec and runs an autograd function per call, which costs host
+    time per parameter on every step. ``spec`` must describe ``local``
+    (its dtype; its shape as this rank's part of the spec's)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
 
 
 def mark_parameter(tensor: torch.Tensor) -> None:

@@ -1,0 +1,114 @@
+"""The host work of one compiled training step, counted.
+
+A step that the GPU finishes before the host has issued it is host-bound
+(small models, MoE): its time is the Python the step runs. Measured on
+2 GPUs, every unit cost about 1.5 ms of host time per step, most of it in
+two places that scale with the model:
+
+- each runtime op that compiled graphs call (a unit's gather, reduce and
+  their waits; the accumulation and replicated-gradient ops) ran through
+  ``torch.library.custom_op``'s Python wrappers;
+- each parameter's gradient became a DTensor through ``DTensor.from_local``,
+  an autograd function that builds a spec per call.
+
+Neither costs anything now (see [Note: runtime ops without custom_op's
+wrappers] in fxshard/runtime/library.py, and ``compat.dtensor_of_spec``).
+These tests keep it so with counts, which are the same on every run: a
+time would be noise in CI.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import torch
+
+import fxshard
+from examples.llama import Llama, LlamaConfig, lm_loss
+
+# What custom_op runs around an op's function on every call.
+_WRAPPERS = ("torch/_library/custom_ops.py", "torch/_library/autograd.py")
+
+
+def _calls_in_one_step(step) -> collections.Counter[tuple[str, str]]:
+    """(file, function) of every Python call one ``step()`` makes."""
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[(frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name)] += 1
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _llama_step(**options):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab=64, dim=32, layers=3, heads=2, hidden=48, max_len=16))
+    fxshard.compile(model, backend="aot_eager", **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.arange(16).reshape(2, 8) * 3 % 64
+
+    def step():
+        lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):  # compile, then a step as every later one
+        step()
+    return model, step
+
+
+def _calls_to(calls, file_end: str, function: str) -> int:
+    return sum(n for (file, fn), n in calls.items() if file.endswith(file_end) and fn == function)
+
+
+def test_a_step_calls_runtime_ops_without_custom_op_wrappers(fake_pg):
+    """Every unit op a step runs is called, and none through custom_op's
+    Python wrappers (one unit per block, so that there are several)."""
+    _, step = _llama_step(unit_mb=1e-6, sharded_embeddings=False)
+    calls = _calls_in_one_step(step)
+    gathers = _calls_to(calls, "fxshard/runtime/units.py", "gather_start")
+    reduces = _calls_to(calls, "fxshard/runtime/units.py", "reduce_start")
+    assert gathers >= 3 and reduces >= 3, (gathers, reduces)  # else the check below proves nothing
+    wrapped = {key: n for key, n in calls.items() if key[0].endswith(_WRAPPERS)}
+    assert not wrapped, f"a step ran custom_op's wrappers: {wrapped}"
+
+
+def test_accumulation_ops_run_without_custom_op_wrappers(fake_pg):
+    """Micro-batches without sync accumulate every gradient through runtime ops
+    (per parameter), which must not go through custom_op's wrappers either."""
+    model, _ = _llama_step(sharded_embeddings=False)
+    tokens = torch.arange(16).reshape(2, 8) * 5 % 64
+
+    def accumulate():
+        model.set_requires_gradient_sync(False)
+        lm_loss(model(tokens), tokens).backward()
+        model.set_requires_gradient_sync(True)
+        lm_loss(model(tokens), tokens).backward()
+
+    accumulate()  # compiles the accumulating graphs
+    calls = _calls_in_one_step(accumulate)
+    assert _calls_to(calls, "fxshard/runtime/ops.py", "accumulate_grad") > 0
+    assert _calls_to(calls, "fxshard/runtime/ops.py", "take_accumulated") > 0
+    wrapped = {key: n for key, n in calls.items() if key[0].endswith(_WRAPPERS)}
+    assert not wrapped, f"accumulation ran custom_op's wrappers: {wrapped}"
+
+
+def test_gradients_become_dtensors_without_from_local(fake_pg):
+    """The gradients are DTensors laid out as their parameters, made from the
+    parameters' own specs: no ``DTensor.from_local`` (an autograd function and
+    a new spec per parameter) in a step."""
+    model, step = _llama_step()
+    calls = _calls_in_one_step(lambda: model(torch.zeros(2, 8, dtype=torch.long)).sum().backward())
+    assert _calls_to(calls, "torch/distributed/tensor/_api.py", "from_local") == 0
+    for name, p in model.named_parameters():
+        assert type(p.grad) is torch.distributed.tensor.DTensor, name
+        assert p.grad.placements == p.placements and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
+        assert p.grad.to_local().shape == p.to_local().shape, name
+    step()
