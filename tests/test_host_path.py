@@ -22,13 +22,35 @@ from __future__ import annotations
 import collections
 import sys
 
+import pytest
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
 
 # What custom_op runs around an op's function on every call.
 _WRAPPERS = ("torch/_library/custom_ops.py", "torch/_library/autograd.py")
+
+
+@torch.library.custom_op("fxshard_tests::control", mutates_args=())
+def _control(x: torch.Tensor) -> torch.Tensor:
+    """A custom_op called once in each counted step: the count must see its wrappers."""
+    return x.clone()
+
+
+@_control.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _wrapper_calls(calls) -> dict:
+    """custom_op's wrapper frames, less one call of ``_control`` (which must be among them)."""
+    wrapped = collections.Counter({key: n for key, n in calls.items() if key[0].endswith(_WRAPPERS)})
+    control = collections.Counter(_calls_in_one_step(lambda: _control(torch.zeros(1))))
+    control = collections.Counter({key: n for key, n in control.items() if key[0].endswith(_WRAPPERS)})
+    assert control and all(wrapped[key] >= n for key, n in control.items()), "the count misses custom_op's wrappers"
+    return dict(wrapped - control)
 
 
 def _calls_in_one_step(step) -> collections.Counter[tuple[str, str]]:
@@ -72,11 +94,11 @@ def test_a_step_calls_runtime_ops_without_custom_op_wrappers(fake_pg):
     """Every unit op a step runs is called, and none through custom_op's
     Python wrappers (one unit per block, so that there are several)."""
     _, step = _llama_step(unit_mb=1e-6, sharded_embeddings=False)
-    calls = _calls_in_one_step(step)
+    calls = _calls_in_one_step(lambda: (step(), _control(torch.zeros(1))))
     gathers = _calls_to(calls, "fxshard/runtime/units.py", "gather_start")
     reduces = _calls_to(calls, "fxshard/runtime/units.py", "reduce_start")
     assert gathers >= 3 and reduces >= 3, (gathers, reduces)  # else the check below proves nothing
-    wrapped = {key: n for key, n in calls.items() if key[0].endswith(_WRAPPERS)}
+    wrapped = _wrapper_calls(calls)
     assert not wrapped, f"a step ran custom_op's wrappers: {wrapped}"
 
 
@@ -93,10 +115,10 @@ def test_accumulation_ops_run_without_custom_op_wrappers(fake_pg):
         lm_loss(model(tokens), tokens).backward()
 
     accumulate()  # compiles the accumulating graphs
-    calls = _calls_in_one_step(accumulate)
+    calls = _calls_in_one_step(lambda: (accumulate(), _control(torch.zeros(1))))
     assert _calls_to(calls, "fxshard/runtime/ops.py", "accumulate_grad") > 0
     assert _calls_to(calls, "fxshard/runtime/ops.py", "take_accumulated") > 0
-    wrapped = {key: n for key, n in calls.items() if key[0].endswith(_WRAPPERS)}
+    wrapped = _wrapper_calls(calls)
     assert not wrapped, f"accumulation ran custom_op's wrappers: {wrapped}"
 
 
@@ -105,10 +127,32 @@ def test_gradients_become_dtensors_without_from_local(fake_pg):
     parameters' own specs: no ``DTensor.from_local`` (an autograd function and
     a new spec per parameter) in a step."""
     model, step = _llama_step()
-    calls = _calls_in_one_step(lambda: model(torch.zeros(2, 8, dtype=torch.long)).sum().backward())
-    assert _calls_to(calls, "torch/distributed/tensor/_api.py", "from_local") == 0
+    p0 = next(model.parameters())
+
+    def backward():
+        model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+        DTensor.from_local(torch.zeros(1), p0.device_mesh, [Replicate()])  # the count must see this one
+
+    calls = _calls_in_one_step(backward)
+    assert _calls_to(calls, "torch/distributed/tensor/_api.py", "from_local") == 1
     for name, p in model.named_parameters():
-        assert type(p.grad) is torch.distributed.tensor.DTensor, name
+        assert type(p.grad) is DTensor, name
         assert p.grad.placements == p.placements and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
         assert p.grad.to_local().shape == p.to_local().shape, name
     step()
+
+
+def test_a_backward_through_a_gradient_raises_naming_the_cause(fake_pg):
+    """The runtime ops have no autograd kernel. A gradient taken with
+    ``create_graph=True`` still works, and a backward through it raises,
+    naming the op, rather than differentiating the collective's function."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    fxshard.no_shard(model[1])
+    fxshard.compile(model, backend="aot_eager")
+    weight = model[1].weight  # the full value, read outside the forward: its gradient is all-reduced
+    (weight**3).sum().backward(create_graph=True)
+    shard = dict(model.named_parameters())["1.weight"]
+    assert shard.grad is not None and shard.grad.requires_grad
+    with pytest.raises(RuntimeError, match="double backward.*all_reduce_grad"):
+        shard.grad.to_local().sum().backward()

@@ -18,7 +18,11 @@ implementation serves tracing. The name, the schema (inferred as
 ``custom_op`` infers it) and the ``pt2_compliant_tag`` are custom_op's, so
 graphs, golden dumps and cached compilations are unchanged. What is given
 up is custom_op's autograd kernel: these ops have no gradient, run inside
-compiled graphs or backward formulas, and are never differentiated. Ops
+compiled graphs or backward formulas, and are never differentiated. In a
+backward that builds a graph (``create_graph=True``) torch's fallback would
+record what their functions compute and only warn, so there the backward
+formulas call them through ``ops._NoSecondOrder``, which raises on a
+backward through them, as custom_op's kernel did. Ops
 with a gradient formula (the markers, ``fxshard::embedding``, the
 sequencer's reads) keep ``custom_op``: they run once per lookup or graph
 break, not per unit.

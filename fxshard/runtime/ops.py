@@ -165,10 +165,39 @@ def _phase_backward(grad: torch.Tensor, plan: int, index: int, phase: int,
                     reduce: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:  # fmt: skip
     """The gradient of a read in its phase: reduced, accumulated, or reduced with what was accumulated."""
     if phase == ACCUMULATE:
-        return accumulate_grad(grad, plan, index)
+        return _grad_op(accumulate_grad, grad, plan, index)
     if phase == FLUSH:
-        grad = take_accumulated(grad, plan, index)
-    return reduce(grad, plan, index)
+        grad = _grad_op(take_accumulated, grad, plan, index)
+    return _grad_op(reduce, grad, plan, index)
+
+
+def _grad_op(op: Callable[[torch.Tensor, int, int], torch.Tensor], grad: torch.Tensor, plan: int,
+             index: int) -> torch.Tensor:  # fmt: skip
+    """``op(grad, plan, index)``; in a backward that builds a graph
+    (``create_graph=True``), through ``_NoSecondOrder``: the runtime ops have
+    no autograd kernel (see [Note: runtime ops without custom_op's wrappers]
+    in fxshard/runtime/library.py), and torch's fallback would record what
+    their functions compute, a collective's gradient included, and warn."""
+    if torch.is_grad_enabled() and grad.requires_grad:
+        return _NoSecondOrder.apply(grad, op, plan, index)
+    return op(grad, plan, index)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """A gradient op in a graph-building backward: its output joins the graph,
+    and a backward through it raises (its own gradient has no formula)."""
+
+    @staticmethod
+    def forward(ctx, grad: torch.Tensor, op: Callable, plan: int, index: int) -> torch.Tensor:
+        ctx.op = getattr(op, "name", getattr(op, "__name__", str(op)))
+        return op(grad, plan, index)
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"fxshard: a backward through a parameter's gradient (double backward, after create_graph=True) "
+            f"is not supported: {ctx.op} (a collective, or the gradient store) has no gradient formula"
+        )
 
 
 def _marker_setup(ctx, inputs, output):
