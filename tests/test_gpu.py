@@ -1,9 +1,11 @@
 """GPU gates: every parity scenario with NCCL on 2 GPUs, under both compilers.
 
-Skipped without 2 CUDA GPUs. Run on the device machine, in two groups that
-each fit one device call:
-    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -k core
-    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -k hf
+Skipped without 2 CUDA GPUs. Run on the device machine, one group per device
+call (all of core no longer fits one 600 s call); ``-s`` shows each check's
+progress line as it ends, so a call that runs out of time still says how far
+it got:
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -s -k core1   # then core2, core3
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -s -k hf
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ def _both_compilers(scenarios: dict[str, Scenario], checks: list[str]) -> list[s
     return [*scenarios, *checks] + [f"{n}@inductor" for n in aot_eager]
 
 
+_CORE = _both_compilers(
+    SCENARIOS, ["eval_no_grad", "routed_experts_differ", "sharded_lookups", "dropped_model_frees_memory"]
+)
 GROUPS = {
-    "core": _both_compilers(
-        SCENARIOS, ["eval_no_grad", "routed_experts_differ", "sharded_lookups", "dropped_model_frees_memory"]
-    ),
+    **{f"core{i + 1}": _CORE[i::3] for i in range(3)},  # thirds, each one run of 2 ranks
     "hf": _both_compilers(HF_SCENARIOS, list(HF_CHECKS)),
 }
 CASES = [(group, check) for group, checks in GROUPS.items() for check in checks]
