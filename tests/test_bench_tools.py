@@ -211,7 +211,9 @@ def test_matrix_repeats_interleave_and_keep_the_median_run(monkeypatch, tmp_path
     assert matrix.cell(ours).startswith("70.0 ms (70.0-90.0 over 2 runs)")
 
 
-@pytest.mark.parametrize("source, name", [("matrix.json", None), ("matrix-2gpu.json", "2gpu"), ("matrix-4xh200.json", "4xh200")])
+@pytest.mark.parametrize(
+    "source, name", [("matrix.json", None), ("matrix-2gpu.json", "2gpu"), ("matrix-4xh200.json", "4xh200")]
+)
 def test_readme_table_is_the_one_generated_from_the_results(source, name):
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "bench" / "results" / source).read_text())
