@@ -552,10 +552,12 @@ def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
     steps on unreduced gradients, counting steps for ZeRO-1 and held
     values) use torch's process-wide step hooks, the only ones an optimizer
     built later runs: they are held by the compiled models that need them,
-    and removed with the last one (they once stayed for the process)."""
+    and removed with the last one (they once stayed for the process). So are
+    the registration hooks that keep parameters from joining a compiled
+    model (see [Note: parameters join before compile])."""
     from torch.optim import optimizer as torch_optimizer
 
-    from fxshard.module import optimizers
+    from fxshard.module import optimizers, structure
 
     def ours() -> list[str]:
         hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
@@ -565,8 +567,14 @@ def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
     def holders() -> tuple[int, int]:
         return optimizers._STEP_CHECK.count, optimizers._STEP_COUNT.count
 
+    def registration_hooks() -> list[str]:
+        hooks = [*torch.nn.modules.module._global_module_registration_hooks.values(),
+                 *torch.nn.modules.module._global_parameter_registration_hooks.values()]  # fmt: skip
+        return sorted(h.__name__ for h in hooks if getattr(h, "__module__", "").startswith("fxshard"))
+
     gc.collect()
     start = holders()  # other tests' models may still be alive in this process
+    watching = structure._MODULE_HOOK.count
     models_ = [models.TinyLlama(), models.TinyLlama()]
     for i in range(2):
         _train_once(models_[i], zero_stage=zero_stage)
@@ -574,6 +582,7 @@ def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
     opt = torch.optim.AdamW(models_[0].parameters())
     opt.step()
     assert ours() == ["_check_optimizer", "_count_steps"]
+    assert registration_hooks() == ["_on_module", "_on_parameter"]
     del opt, models_[0], _
     gc.collect()
     # The second model still checks steps; it counts them only for ZeRO-1's copies (nothing read it outside).
@@ -582,9 +591,11 @@ def test_optimizer_hooks_go_with_the_last_model(fake_pg, zero_stage):
         assert ("_count_steps" in ours()) == (zero_stage == 1)
     models_.clear()
     gc.collect()
-    assert holders() == start
+    assert holders() == start and structure._MODULE_HOOK.count == watching
     if start == (0, 0):
         assert ours() == []
+    if watching == 0:
+        assert registration_hooks() == []
 
 
 def test_models_compile_past_dynamos_recompile_limit(fake_pg):

@@ -38,7 +38,7 @@ def test_only_the_topology_reads_the_mesh():
 def test_process_wide_effects_have_one_home():
     """See [Note: process-wide effects]: optimizer step hooks, the foreach
     type registry, exit and before-destroy hooks go through runtime/process.py."""
-    pattern = r"register_optimizer_step_\w+_hook|atexit\.register|register_foreach_type\(|call_before_destroy\("
+    pattern = r"register_optimizer_step_\w+_hook|register_module_\w+_registration_hook|atexit\.register|register_foreach_type\(|call_before_destroy\("
     doers = _files_matching(pattern)
     assert doers <= {"runtime/process.py", "runtime/compat"}, sorted(doers)
     assert "runtime/process.py" in doers
@@ -62,7 +62,7 @@ def test_module_files_import_downward():
     """See [Note: the module package]: each file of fxshard/module/ imports
     only the files listed before it there, and its __init__ imports none
     (fxshard/plan.py imports writes.py, which must not load swap.py)."""
-    order = ["shards", "optimizers", "writes", "zero1", "reads", "root", "hf", "checkpoint", "swap"]
+    order = ["shards", "optimizers", "writes", "zero1", "reads", "root", "hf", "checkpoint", "structure", "swap"]
     folder = ROOT / "module"
     assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
     init = ast.parse((folder / "__init__.py").read_text())

@@ -114,6 +114,42 @@ def reassign_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def structure_check(rank: int, world_size: int) -> dict:
+    """A submodule or parameter that joins the model after compile raises
+    before it joins, wherever it joins (see [Note: parameters join before
+    compile]); one that brings no parameter of its own passes. Unchecked, each
+    rank trained its own copy of the newcomer, out of step, with no error."""
+    torch.manual_seed(0)
+    model = fxshard.compile(models.TinyLlama(tie=False).to(_device()), backend="aot_eager")
+    before = dict(model.named_parameters())
+    joins = {
+        "a new head": lambda: setattr(model, "output", nn.Linear(24, 37)),
+        "a new submodule": lambda: setattr(model, "extra", nn.Linear(24, 24)),
+        "a layer appended": lambda: model.layers.append(nn.Linear(24, 24)),
+        "a layer replaced": lambda: model.layers.__setitem__(0, nn.Linear(24, 24)),
+        "add_module": lambda: model.layers[0].add_module("adapter", nn.Linear(24, 24)),
+        "register_parameter": lambda: model.norm.register_parameter("scale", nn.Parameter(torch.ones(24))),
+        "a new parameter attribute": lambda: setattr(model.layers[0], "gate", nn.Parameter(torch.ones(1))),
+    }
+    for what, join in joins.items():
+        with pytest.raises(ValueError, match="before fxshard.compile"):
+            join()
+        assert dict(model.named_parameters()) == before, f"{what}: joined although it raised"
+    # No parameter of their own: a module moved or shared within the model, one without parameters.
+    model.layers[0].drop = nn.Dropout(0.0)
+    model.head_alias = model.output
+    model.empty = nn.Sequential()
+    with pytest.raises(ValueError, match="before fxshard.compile"):  # watched from when it joined
+        model.empty.append(nn.Linear(24, 24))
+    assert dict(model.named_parameters()) == before
+    tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(rank)).to(_device())
+    lm_loss(model(tokens), tokens).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    plain = nn.Sequential()
+    plain.append(nn.Linear(2, 2))  # other modules of the process are not watched
+    return {}
+
+
 def state_dict_aliases_check(rank: int, world_size: int) -> dict:
     """A state dict, or a ``to_local()`` view, taken after compile (and after
     ``to_empty`` and init) but before the first call keeps aliasing the
@@ -445,7 +481,7 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 
 
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
-    checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check,
+    checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check, "structure": structure_check,
               "state_dict_aliases": state_dict_aliases_check, "init_through_shards": init_through_shards_check,
               "outer_compile": outer_compile_check, "optimizer_before_compile": optimizer_before_compile_check,
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
@@ -472,6 +508,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "writes",
         "reinit",
         "reassign",
+        "structure",
         "state_dict_aliases",
         "init_through_shards",
         "outer_compile",

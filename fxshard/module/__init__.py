@@ -17,6 +17,8 @@ so that each file imports only files above it:
 - ``root.py``: ``RootState``, the root's call.
 - ``hf.py``: Hugging Face's ``save_pretrained``.
 - ``checkpoint.py``: the state-dict hooks.
+- ``structure.py``: the check that no parameter joins the model after
+  compile, through a new submodule or a registration.
 - ``swap.py``: ``shard_parameters``, which swaps parameters for shards and
   classes for gathering ones, and builds everything above.
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fxshard.module.shards import ShardParameter
-from fxshard.runtime.process import StepHook
+from fxshard.runtime.process import HeldHook
 
 
 def count_optimizer_steps(holder: object) -> None:
@@ -36,7 +36,7 @@ def _count_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 p.optimizer_steps += 1
 
 
-_STEP_COUNT = StepHook.after_step(_count_steps)
+_STEP_COUNT = HeldHook.after_step(_count_steps)
 
 
 # [Note: optimizers built before compile]
@@ -96,4 +96,4 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 )
 
 
-_STEP_CHECK = StepHook.before_step(_check_optimizer)
+_STEP_CHECK = HeldHook.before_step(_check_optimizer)

@@ -108,6 +108,10 @@ class LocalShards:
         for module in self._modules:
             module.__dict__["_fxshard_locals"] = {}
 
+    def held_ids(self) -> set[int]:
+        """The ids of the parameters the owners hold now (see [Note: parameters join before compile])."""
+        return {id(module._parameters.get(attr)) for (module, attr), *_ in self._owners}
+
     def parameters(self) -> list[DTensor]:
         """Each distinct parameter, as its owner holds it now; a clear error
         for one that was replaced or is still on the meta device."""

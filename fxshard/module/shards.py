@@ -137,7 +137,8 @@ class ShardParameter(DTensor):
             raise ValueError(
                 f"a sharded parameter of shape {tuple(self.shape)} was given a value of shape {got}; give "
                 "it a tensor of the parameter's full shape (each rank keeps its own rows), or a DTensor "
-                "sharded like it"
+                "sharded like it. fxshard.compile fixed the shape: resize or prune parameters "
+                "(resize_token_embeddings) before it"
             )
         copy_rows(full, self, compat.local_tensor(self))
 

@@ -32,6 +32,7 @@ from fxshard.module.optimizers import retire, watch_unsynced
 from fxshard.module.reads import LocalShards, gathering_property
 from fxshard.module.root import RootState
 from fxshard.module.shards import HeldShard, shard_of
+from fxshard.module.structure import watch
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
@@ -230,4 +231,5 @@ def shard_parameters(
         props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
+    watch(model, shards.held_ids)  # see [Note: parameters join before compile]
     return state

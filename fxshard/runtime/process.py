@@ -1,15 +1,19 @@
 """Every effect fxshard has on the process beyond the models it makes.
 
 [Note: process-wide effects]
-torch offers no per-model way to do the four things below, so each is done
+torch offers no per-model way to do the five things below, so each is done
 through this module and nowhere else (``tests/test_layout.py`` checks it):
-- **Optimizer step hooks** (``StepHook``): torch has no per-parameter step
+- **Optimizer step hooks** (``HeldHook``): torch has no per-parameter step
   hook, and the optimizer is built after ``fxshard.compile``, so a model
   cannot register on it. Each hook is registered while an object that needs
   it lives (a model's state, a shard, ZeRO-1's copies) and removed with the
   last one (``fxshard/module/optimizers.py``: the step count and the pre-step check).
   A captured step also records, for the length of its warm-up
   (``before_each_step``), which optimizers step.
+- **Module and parameter registration hooks** (``HeldHook``): torch has no
+  per-module hook for a child's registration, and the modules that hold no
+  parameter keep their own class. Held by the compiled models, as above
+  (``fxshard/module/structure.py``: [Note: parameters join before compile]).
 - **The foreach type** (``foreach_type``): torch's optimizers and
   ``clip_grad_norm_`` take their foreach paths only for exact types in a
   private registry, where DTensor registers itself. fxshard's shards are a
@@ -29,15 +33,19 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fxshard.runtime import compat
 
 
-class StepHook:
-    """One of torch's process-wide optimizer step hooks, held by the objects
-    that need it: registered while one of them lives, removed once the last
-    is gone (see [Note: process-wide effects])."""
+class HeldHook:
+    """One of torch's process-wide hooks, held by the objects that need it:
+    registered while one of them lives, removed once the last is gone (see
+    [Note: process-wide effects])."""
 
     def __init__(self, register: Callable[[Callable], Any], hook: Callable) -> None:
         self.register, self.hook = register, hook
@@ -46,14 +54,24 @@ class StepHook:
         self.holders: dict[int, weakref.ref] = {}
 
     @staticmethod
-    def before_step(hook: Callable) -> StepHook:
+    def before_step(hook: Callable) -> HeldHook:
         """``hook(optimizer, args, kwargs)`` before every optimizer step."""
-        return StepHook(register_optimizer_step_pre_hook, hook)
+        return HeldHook(register_optimizer_step_pre_hook, hook)
 
     @staticmethod
-    def after_step(hook: Callable) -> StepHook:
+    def after_step(hook: Callable) -> HeldHook:
         """``hook(optimizer, args, kwargs)`` after every optimizer step."""
-        return StepHook(register_optimizer_step_post_hook, hook)
+        return HeldHook(register_optimizer_step_post_hook, hook)
+
+    @staticmethod
+    def on_module_registration(hook: Callable) -> HeldHook:
+        """``hook(module, name, child)`` before any module registers a child."""
+        return HeldHook(register_module_module_registration_hook, hook)
+
+    @staticmethod
+    def on_parameter_registration(hook: Callable) -> HeldHook:
+        """``hook(module, name, param)`` before any module registers a parameter."""
+        return HeldHook(register_module_parameter_registration_hook, hook)
 
     @property
     def count(self) -> int:
