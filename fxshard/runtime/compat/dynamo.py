@@ -6,7 +6,6 @@ their own, and its compile-time counters."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,7 +82,6 @@ def graph_break_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-@functools.cache
 def _dynamo_debug_keys() -> tuple[str | None, str | None]:
     """The dynamo config keys that make logging calls no-ops and prints
     reorderable, where this torch has them (``ignore_logger_methods`` was
@@ -94,6 +92,11 @@ def _dynamo_debug_keys() -> tuple[str | None, str | None]:
     ignore = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if k in options), None)
     reorder = "reorderable_logging_functions" if "reorderable_logging_functions" in options else None
     return ignore, reorder
+
+
+# Once, at import: under a user's torch.compile of the model, dynamo traces
+# debug_calls_in_traces, and a functools.cache there printed its warning.
+_DEBUG_KEYS = _dynamo_debug_keys()
 
 
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "warning_once", "info_once")  # *_once: transformers'
@@ -112,7 +115,7 @@ def debug_calls_in_traces() -> Iterator[None]:
 
     from torch._dynamo import config
 
-    ignore, reorder = _dynamo_debug_keys()
+    ignore, reorder = _DEBUG_KEYS
     methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
     extra = [(ignore, methods), (reorder, {print, warnings.warn})]
     saved = [(key, getattr(config, key)) for key, _ in extra if key is not None]
