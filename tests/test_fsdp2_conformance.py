@@ -907,6 +907,14 @@ def mp_norm_modules(rank: int, ws: int) -> None:
         z.sum().backward()
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
         torch._dynamo.reset()
+    # Statistics left in fp32, as a user leaves them (timm's ResNet): torch's batch_norm error, as in
+    # eager bf16 and under FSDP2, with fxshard's note on the cause (its message says "scalar type")
+    model = nn.Sequential(nn.Conv2d(1, 5, 3), nn.BatchNorm2d(5), nn.Conv2d(5, 4, 3))
+    shard(model, units=list(model), mp_policy=mp)
+    with pytest.raises(RuntimeError, match="scalar type") as raised:
+        model(torch.randn(3, 1, 9, 9))
+    assert any("BatchNorm's fp32 running statistics" in note for note in raised.value.__notes__)
+    torch._dynamo.reset()
 
 
 # --------------------------------------------------------------------------

@@ -252,10 +252,13 @@ class RootState:
         fully_shard module's inputs, fxshard the root call's only, so a
         tensor made inside the model meets a cast weight uncast
         (docs/limits.md). Torch's message names neither cause nor fix."""
-        if self.input_dtype is not None and isinstance(error, RuntimeError) and "dtype" in str(error):
+        message = str(error) if isinstance(error, RuntimeError) else ""
+        # "expected scalar type BFloat16 but found Float": batch_norm's, for its fp32 running statistics.
+        if self.input_dtype is not None and ("dtype" in message or "scalar type" in message):
             error.add_note(
                 f"fxshard: mixed precision casts the root call's floating-point inputs to {self.input_dtype}, "
                 "not each unit's or module's inputs as FSDP2 does: a tensor made inside the model (a buffer, "
                 f"a new tensor) reaches a {self.input_dtype} weight in its own dtype. Cast it where the model "
-                "makes it (x.to(weight.dtype))"
+                "makes it (x.to(weight.dtype)). Buffers keep their dtype, as under FSDP2: BatchNorm's fp32 "
+                f"running statistics meet its {self.input_dtype} weight"
             )

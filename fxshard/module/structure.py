@@ -78,8 +78,10 @@ def _on_module(module: nn.Module, name: str, child: nn.Module | None) -> None:
     new = [n for n, p in child.named_parameters() if id(p) not in ids]
     if new:
         shown = ", ".join(new[:3]) + (f" and {len(new) - 3} more" if len(new) > 3 else "")
+        kind = type(child)
+        kind_name = kind.__name__ if kind.__module__.startswith("torch.") else f"{kind.__module__}.{kind.__qualname__}"
         raise ValueError(
-            f"fxshard: {type(child).__name__} set as {_where(root, module, name)!r} after fxshard.compile holds "
+            f"fxshard: {kind_name} set as {_where(root, module, name)!r} after fxshard.compile holds "
             f"parameters that the compiled model does not ({shown}). {_FIX}"
         )
     entry = _WATCHED[module]
