@@ -19,7 +19,7 @@ from fxshard.passes.lower import LOWERED
 from fxshard.passes.markers import param_of
 from fxshard.passes.units import form_units
 from fxshard.runtime import compat, plans as plans_module
-from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT
+from fxshard.runtime.units import UNIT_GATHER as AG, UNIT_GATHER_WAIT, UNIT_REDUCE as RS, UNIT_REDUCE_WAIT, Units
 from tests.helpers import models
 
 PER_PARAM = 1e-6  # unit_mb so small that every parameter is a unit of its own
@@ -115,7 +115,7 @@ def test_one_collective_per_unit(fake_pg):
     layout = reduce.args[0]  # built in the graph: one cat of every gradient, cast to the reduce dtype
     grads = [a for a in layout.args[0] if a.target != torch.ops.aten.full.default]  # not the alignment zeros
     assert layout.target == torch.ops.aten.cat.default and len(grads) == len(model.fxshard_plan.params)
-    assert "units: 1, one all-gather and one reduce-scatter each" in record.summary()
+    assert "units: 1, one all-gather each, and one reduce-scatter per block (or one)" in record.summary()
 
 
 def test_local_shards_start_their_slots(fake_pg):
@@ -797,6 +797,50 @@ def test_blocks_join_into_units_of_unit_mb(fake_pg):
                    for i in range(4)]  # fmt: skip
     assert all(len(u) == 1 for u in layer_units)
     assert layer_units[0] == layer_units[1] != layer_units[2] == layer_units[3]
+
+
+def test_a_unit_of_blocks_reduces_each_block_after_its_backward(fake_pg, monkeypatch):
+    """A unit of several outlined blocks is gathered once but reduced per
+    block ([Note: a reduce per block]): each block's reduce-scatter is
+    issued right after that block's backward call, before the next block's,
+    so its gradients and reduce input are freed early. One reduce for the
+    unit kept all of its gradients alive until the last block's, beside the
+    unit's whole reduce input, and the estimated backward peak says so."""
+    from examples.llama import Llama, LlamaConfig
+
+    def train(reduce_per_block: bool):
+        # Weights larger than the activations, as in the benchmark's MoE, where the reduce set the peak.
+        model = Llama(LlamaConfig(layers=4, dim=64, hidden=256))
+        if not reduce_per_block:  # every unit as one reduce group, as before
+            form = Units.form
+            monkeypatch.setattr(Units, "form", lambda self, units: form(self, [[sum(u, [])] for u in units]))
+        mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fxshard.compile(model, backend="aot_eager", compile_blocks_once=True, mp_policy=mp)
+        model(torch.randint(0, 37, (2, 4))).float().sum().backward()
+        (record,) = model.fxshard_plan.graphs
+        return model, record
+
+    model, record = train(True)
+    units = model.fxshard_plan.units
+    layers = {units.unit_of[n][0] for n, _ in model.layers.named_parameters(prefix="layers")}
+    (unit,) = layers  # the default 256 MiB: all four layers in one unit
+    assert len(units.units[unit].reduce_groups) == 4
+    bw = record.backward
+    pos = _positions(bw)
+    calls = sorted((n for n in bw.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph), key=pos.get)
+    reduces = sorted((n for n in _nodes(bw, RS) if n.args[2] == unit), key=pos.get)
+    assert len(calls) == len(reduces) == 4
+    for i, reduce in enumerate(reduces):
+        names = {units.units[unit].members[j].param.fqn.split(".")[1] for j in reduce.args[3]}
+        assert len(names) == 1  # one layer's weights
+        layer_call = calls[i]
+        assert pos[layer_call] < pos[reduce]
+        if i + 1 < len(calls):
+            assert pos[reduce] < pos[calls[i + 1]]  # issued before the next block's backward
+    assert "4 reduces" in record.summary()
+    _, whole = train(False)
+    assert len([n for n in _nodes(whole.backward, RS) if n.args[2] == unit]) == 1
+    assert record.peaks["backward"].total < 0.7 * whole.peaks["backward"].total
 
 
 def test_blocks_that_differ_are_not_shared(fake_pg):

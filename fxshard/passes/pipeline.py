@@ -381,9 +381,12 @@ def _agree_first(compiled: Any, agreement: GraphAgreement, graph: str, lines: tu
 def format_units(units: Units) -> str:
     if not units.units:
         return "units: none (every parameter gathered on its own)\n"
-    lines = [f"units: {len(units.units)}, one all-gather and one reduce-scatter each"]
+    lines = [f"units: {len(units.units)}, one all-gather each, and one reduce-scatter per block (or one)"]
     for u in units.units:
         names = u.names
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} parameters)" if len(names) > 4 else "")
-        lines.append(f"  unit {u.index}: {u.gather_nbytes() / 2**20:.2f} MiB gathered, {u.gather_dtype}: {shown}")
+        reduces = f", {len(u.reduce_groups)} reduces" if len(u.reduce_groups) > 1 else ""
+        lines.append(
+            f"  unit {u.index}: {u.gather_nbytes() / 2**20:.2f} MiB gathered{reduces}, {u.gather_dtype}: {shown}"
+        )
     return "\n".join(lines) + "\n"

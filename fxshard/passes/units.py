@@ -15,9 +15,10 @@ def form_units(
     unit_bytes: int,
     explicit: Sequence[Sequence[str]] = (),
     blocks: Sequence[Sequence[str]] = (),
-) -> list[list[Param]]:
+) -> list[list[list[Param]]]:
     """The units of the parameters in ``params`` (by name), from the order
-    in which a graph first reads them.
+    in which a graph first reads them, each as its reduce groups: the
+    parameters of a unit, split where a backward may reduce them apart.
 
     ``explicit``, the user's groups, come first, each one unit (split where
     dtypes differ), members in first-use order; then ``blocks``, the weights
@@ -27,6 +28,9 @@ def form_units(
     The rest, in first-use order, fill units of about ``unit_bytes`` of
     gathered weights; a unit holds one dtype combination. Parameters the
     graph never reads get no unit. Units are in first-use order.
+
+    A unit of blocks has a reduce group per block, the others one group
+    (see [Note: a reduce per block]).
     """
     order = {name: i for i, name in enumerate(first_use)}
     listed: set[str] = set()
@@ -37,30 +41,31 @@ def form_units(
         listed.update(group)
         return _split_by_dtype([params[n] for n in members])
 
-    groups = [infos for group in explicit for infos in take(group)]
+    units = [[infos] for group in explicit for infos in take(group)]
     whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
-    groups.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
+    units.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
     rest = [[params[n]] for n in first_use if n not in listed and n in params]
-    groups.extend(_fill(rest, unit_bytes))
-    groups.sort(key=lambda g: order[g[0].fqn])
-    return groups
+    units.extend([[p for one in unit for p in one]] for unit in _fill(rest, unit_bytes))
+    units.sort(key=lambda unit: order[unit[0][0].fqn])
+    return units
 
 
 def _gathered_bytes(infos: Sequence[Param]) -> int:
     return sum(math.prod(i.shape) * i.gather_dtype.itemsize for i in infos)
 
 
-def _fill(blocks: list[list[Param]], unit_bytes: int) -> list[list[Param]]:
+def _fill(blocks: list[list[Param]], unit_bytes: int) -> list[list[list[Param]]]:
     """Consecutive blocks (each never split; a lone parameter is a block of
-    one) joined into units of about ``unit_bytes``: a unit is closed once it
-    holds ``unit_bytes`` or the next block's dtypes differ."""
-    units: list[list[Param]] = []
+    one) joined into units of about ``unit_bytes``, each unit as its blocks:
+    a unit is closed once it holds ``unit_bytes`` or the next block's dtypes
+    differ."""
+    units: list[list[list[Param]]] = []
     for block in blocks:
         last = units[-1] if units else None
-        if last and _gathered_bytes(last) < unit_bytes and _dtype_key(last[0]) == _dtype_key(block[0]):
-            last.extend(block)
+        if last and sum(map(_gathered_bytes, last)) < unit_bytes and _dtype_key(last[0][0]) == _dtype_key(block[0]):
+            last.append(list(block))
         else:
-            units.append(list(block))
+            units.append([list(block)])
     return units
 
 

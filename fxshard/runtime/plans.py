@@ -25,7 +25,8 @@ fxshard's code and docs use these words in these meanings only:
   last use, gathered again for backward (ZeRO-3); until backward (ZeRO-2);
   always (replicated parameters and ZeRO-1's full copies).
 - **unit**: sharded parameters gathered by one all-gather and reduced by one
-  reduce-scatter, over one flat buffer of per-rank slots, formed in order of
+  reduce-scatter per block they hold (one where they hold none; see [Note:
+  a reduce per block]), over one flat buffer of per-rank slots, formed in order of
   first use up to ``unit_mb`` or as listed by ``units=`` (see [Note: units
   and flat shards]). Not a module boundary: a layer is never split between
   units, but a unit may hold several layers.

@@ -2,7 +2,9 @@
 
 [Note: units and flat shards]
 A unit is a list of parameters that move together: one all-gather brings
-all of their shards, one reduce-scatter takes all of their gradients. Its
+all of their shards, and one reduce-scatter per reduce group (a unit of
+several blocks has one per block; see [Note: a reduce per block] in
+``passes/bucket.py``) takes their gradients. Its
 layout depends only on the full shapes and the world size, so it is the same
 on every rank:
 
@@ -82,6 +84,7 @@ Where the buffers live (communication has none of its own):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -139,9 +142,13 @@ class Member:
 class Unit:
     """One unit's layout and this rank's slot buffers."""
 
-    def __init__(self, index: int, params: Sequence[Param], world_size: int) -> None:
+    def __init__(self, index: int, groups: Sequence[Sequence[Param]], world_size: int) -> None:
         self.index = index
         self.world_size = world_size
+        params = [p for group in groups for p in group]
+        # Member indices of each reduce group (see [Note: a reduce per block]).
+        bounds = [0, *itertools.accumulate(len(g) for g in groups)]
+        self.reduce_groups = tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a)
         members, offset = [], 0
         for param in params:
             row = math.prod(param.shape[1:])
@@ -248,9 +255,9 @@ class Units:
         """Take the id of this layout (the next free one if another live model's
         units of the same layout hold it): compiled graphs name the units by it,
         and torch caches them on disk (see [Note: one registry] in runtime/plans.py)."""
-        layout = (self.world_size, [[(m.param.fqn, m.param.shape, m.param.local_rows, m.chunk, m.row, m.offset,
-                                      m.param.shard_dtype, m.param.gather_dtype, m.param.reduce_dtype, m.param.device)
-                                     for m in u.members] for u in self.units])  # fmt: skip
+        layout = (self.world_size, [([(m.param.fqn, m.param.shape, m.param.local_rows, m.chunk, m.row, m.offset,
+                                       m.param.shard_dtype, m.param.gather_dtype, m.param.reduce_dtype, m.param.device)
+                                      for m in u.members], u.reduce_groups) for u in self.units])  # fmt: skip
         if self.replicas is not None:  # HSDP graphs average across replicas (see bucket_collectives)
             layout += (self.replicas.size,)
         self.id = self.model.name_units(self, repr(layout).encode())
@@ -259,14 +266,15 @@ class Units:
     def assigned(self) -> bool:
         return bool(self.units)
 
-    def form(self, groups: Sequence[Sequence[Param]]) -> None:
-        """Lay out the units that ``groups`` list (``passes/units.py`` forms
-        them: which parameters move together is the passes' decision), once.
-        ``rehome`` moves the shards into their slots later."""
+    def form(self, units: Sequence[Sequence[Sequence[Param]]]) -> None:
+        """Lay out the units that ``units`` list, each as its reduce groups
+        (``passes/units.py`` forms them: which parameters move together is
+        the passes' decision), once. ``rehome`` moves the shards into their
+        slots later."""
         if self.units:
             raise RuntimeError("fxshard: a model's units are formed once")
-        for index, members in enumerate(groups):
-            unit = Unit(index, list(members), self.world_size)
+        for index, groups in enumerate(units):
+            unit = Unit(index, groups, self.world_size)
             self.units.append(unit)
             for j, m in enumerate(unit.members):
                 self.unit_of[m.param.fqn] = (index, j)

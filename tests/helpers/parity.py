@@ -253,7 +253,7 @@ SCENARIOS: dict[str, Scenario] = {
             compile_blocks_once=True,
         ),
     ),
-    # Units (one all-gather and one reduce-scatter each) at several sizes and
+    # Units (one all-gather each, a reduce-scatter per block) at several sizes and
     # prefetch depths, in flat graphs (an outlined layer is never split);
     # the default 256 MiB makes each small model one unit.
     "units_per_param_prefetch0": Scenario(
