@@ -735,6 +735,25 @@ def test_untied_embedding_lookup_moves_tokens_not_the_table(fake_pg):
     assert record.sharded_lookups == ("embed.weight",)  # pos has padding_idx=0
 
 
+def test_sharded_lookup_backward_sums_without_atomic_adds(fake_pg):
+    """The sharded lookup's backward sums the rows this rank holds with the
+    sorted embedding backward, the ids of other ranks' rows sent to a padding
+    row it skips: an index_add_ with those ids clamped onto two rows of the
+    shard made (world_size - 1) / world_size of its atomic adds contend for
+    those rows on GPUs (see [Note: sharded lookups])."""
+    from fxshard.runtime.embedding import EMBEDDING, embedding_backward
+
+    model = models.TinyLlama(tie=False)
+    (lookup,) = _nodes(_train_once(model).captured, EMBEDDING)
+    table, index = lookup.args[2], lookup.args[3]
+    tokens = torch.randint(0, 37, (2, 9))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        grad = embedding_backward(torch.ones(2, 9, 24), tokens, table, index)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::embedding_dense_backward" in ops and not {"aten::index_add_", "aten::index_add"} & ops
+    assert tuple(grad.shape) == (-(-37 // 4), 24)
+
+
 def test_reduce_input_rows_are_never_padded(fake_pg, monkeypatch):
     """Inductor pads the rows of buffers whose row is not 128-byte aligned
     (on GPUs; here forced on CPU), copying the buffer for each reader. The
