@@ -37,10 +37,11 @@ size), and that was the backward's peak: on OLMoE at 4 ranks, a unit of
 three layers held a 624 MiB reduce input beside its three layers'
 gradients. Reduced per block, a block's gradients and reduce input are
 freed as the next block computes, as under FSDP2 with a unit per block,
-and the reduce starts earlier, so more of it overlaps compute. A reduce is
-the cheapest runtime op on the host, so the extra calls cost less than the
-smaller units that would give the same memory. Units without blocks (the
-rest of the model, or the user's ``units=``) reduce as one.
+and the reduce starts earlier, so more of it overlaps compute. A reduce
+costs the host less than a gather, so this keeps a unit's one gather and
+splits only its reduce (the gathered unit itself still spans its blocks).
+Units without blocks (the rest of the model, or the user's ``units=``)
+reduce as one.
 
 Markers of parameters in no unit (world size 1, or parameters the first graph
 never read) are left for ``lower_collectives``.
