@@ -115,7 +115,10 @@ def test_one_collective_per_unit(fake_pg):
     layout = reduce.args[0]  # built in the graph: one cat of every gradient, cast to the reduce dtype
     grads = [a for a in layout.args[0] if a.target != torch.ops.aten.full.default]  # not the alignment zeros
     assert layout.target == torch.ops.aten.cat.default and len(grads) == len(model.fxshard_plan.params)
-    assert "units: 1, one all-gather each, and one reduce-scatter per block (or one)" in record.summary()
+    assert (
+        "units: 1, one all-gather each, and one reduce-scatter per block or group of blocks (or one)"
+        in record.summary()
+    )
 
 
 def test_local_shards_start_their_slots(fake_pg):
@@ -824,41 +827,53 @@ def test_a_unit_of_blocks_reduces_each_block_after_its_backward(fake_pg, monkeyp
     issued right after that block's backward call, before the next block's,
     so its gradients and reduce input are freed early. One reduce for the
     unit kept all of its gradients alive until the last block's, beside the
-    unit's whole reduce input, and the estimated backward peak says so."""
+    unit's whole reduce input, and the estimated backward peak says so.
+    Blocks smaller than a quarter of ``unit_mb`` are reduced a few at a
+    time: each reduce costs host time."""
     from examples.llama import Llama, LlamaConfig
 
-    def train(reduce_per_block: bool):
+    def layer_mib() -> float:
+        layer = Llama(LlamaConfig(layers=1, dim=64, hidden=256)).layers[0]
+        return sum(p.numel() for p in layer.parameters()) * 2 / 2**20  # gathered in bf16
+
+    def train(unit_mb: float, one_reduce_per_unit: bool = False):
         # Weights larger than the activations, as in the benchmark's MoE, where the reduce set the peak.
         model = Llama(LlamaConfig(layers=4, dim=64, hidden=256))
-        if not reduce_per_block:  # every unit as one reduce group, as before
+        if one_reduce_per_unit:  # every unit as one reduce group, as before
             form = Units.form
             monkeypatch.setattr(Units, "form", lambda self, units: form(self, [[sum(u, [])] for u in units]))
         mp = fxshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fxshard.compile(model, backend="aot_eager", compile_blocks_once=True, mp_policy=mp)
+        fxshard.compile(model, backend="aot_eager", compile_blocks_once=True, mp_policy=mp, unit_mb=unit_mb)
         model(torch.randint(0, 37, (2, 4))).float().sum().backward()
         (record,) = model.fxshard_plan.graphs
-        return model, record
+        units = model.fxshard_plan.units
+        (unit,) = {units.unit_of[n][0] for n, _ in model.layers.named_parameters(prefix="layers")}
+        return units.units[unit], record
 
-    model, record = train(True)
-    units = model.fxshard_plan.units
-    layers = {units.unit_of[n][0] for n, _ in model.layers.named_parameters(prefix="layers")}
-    (unit,) = layers  # the default 256 MiB: all four layers in one unit
-    assert len(units.units[unit].reduce_groups) == 4
-    bw = record.backward
-    pos = _positions(bw)
-    calls = sorted((n for n in bw.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph), key=pos.get)
-    reduces = sorted((n for n in _nodes(bw, RS) if n.args[2] == unit), key=pos.get)
-    assert len(calls) == len(reduces) == 4
-    for i, reduce in enumerate(reduces):
-        names = {units.units[unit].members[j].param.fqn.split(".")[1] for j in reduce.args[3]}
-        assert len(names) == 1  # one layer's weights
-        layer_call = calls[i]
-        assert pos[layer_call] < pos[reduce]
-        if i + 1 < len(calls):
-            assert pos[reduce] < pos[calls[i + 1]]  # issued before the next block's backward
-    assert "4 reduces" in record.summary()
-    _, whole = train(False)
-    assert len([n for n in _nodes(whole.backward, RS) if n.args[2] == unit]) == 1
+    def layers_per_reduce(unit, record) -> list[set[str]]:
+        bw = record.backward
+        pos = _positions(bw)
+        calls = sorted((n for n in bw.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph), key=pos.get)
+        reduces = sorted((n for n in _nodes(bw, RS) if n.args[2] == unit.index), key=pos.get)
+        assert len(calls) == 4
+        layers = []
+        for reduce in reduces:
+            layers.append({unit.members[j].param.fqn.split(".")[1] for j in reduce.args[3]})
+            # Issued after its last layer's backward (layers run backward from 3), before the next one's.
+            last = 3 - int(min(layers[-1]))
+            assert pos[calls[last]] < pos[reduce]
+            if last + 1 < len(calls):
+                assert pos[reduce] < pos[calls[last + 1]]
+        return layers
+
+    # 3.5 layers: the unit closes with the fourth, and each layer is over a quarter of it.
+    unit, record = train(3.5 * layer_mib())
+    assert len(unit.reduce_groups) == 4 and "4 reduces" in record.summary()
+    assert layers_per_reduce(unit, record) == [{"3"}, {"2"}, {"1"}, {"0"}]
+    unit, halves = train(8 * layer_mib())  # a quarter is two layers: a reduce per two
+    assert layers_per_reduce(unit, halves) == [{"2", "3"}, {"0", "1"}]
+    unit, whole = train(3.5 * layer_mib(), one_reduce_per_unit=True)
+    assert layers_per_reduce(unit, whole) == [{"0", "1", "2", "3"}]
     assert record.peaks["backward"].total < 0.7 * whole.peaks["backward"].total
 
 

@@ -40,8 +40,13 @@ freed as the next block computes, as under FSDP2 with a unit per block,
 and the reduce starts earlier, so more of it overlaps compute. A reduce
 costs the host less than a gather, so this keeps a unit's one gather and
 splits only its reduce (the gathered unit itself still spans its blocks).
-Units without blocks (the rest of the model, or the user's ``units=``)
-reduce as one.
+Still, each reduce costs the host a collective call and its wait whatever
+its size, and a small model's step is bound by the host: a reduce per
+block of the 375M benchmark model (24 MiB blocks) made its step slower.
+So a reduce covers consecutive blocks up to at least a quarter of
+``unit_mb``: a reduce per block where blocks are that large (OLMoE's, 1B's),
+a few per unit where they are small. Units without blocks (the rest of the
+model, or the user's ``units=``) reduce as one.
 
 Markers of parameters in no unit (world size 1, or parameters the first graph
 never read) are left for ``lower_collectives``.

@@ -381,7 +381,9 @@ def _agree_first(compiled: Any, agreement: GraphAgreement, graph: str, lines: tu
 def format_units(units: Units) -> str:
     if not units.units:
         return "units: none (every parameter gathered on its own)\n"
-    lines = [f"units: {len(units.units)}, one all-gather each, and one reduce-scatter per block (or one)"]
+    lines = [
+        f"units: {len(units.units)}, one all-gather each, and one reduce-scatter per block or group of blocks (or one)"
+    ]
     for u in units.units:
         names = u.names
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} parameters)" if len(names) > 4 else "")

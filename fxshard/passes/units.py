@@ -29,8 +29,9 @@ def form_units(
     gathered weights; a unit holds one dtype combination. Parameters the
     graph never reads get no unit. Units are in first-use order.
 
-    A unit of blocks has a reduce group per block, the others one group
-    (see [Note: a reduce per block]).
+    A unit of blocks reduces its consecutive blocks in groups of at least
+    a quarter of ``unit_bytes`` (a group per block where blocks are that
+    large), the others in one group (see [Note: a reduce per block]).
     """
     order = {name: i for i, name in enumerate(first_use)}
     listed: set[str] = set()
@@ -43,7 +44,8 @@ def form_units(
 
     units = [[infos] for group in explicit for infos in take(group)]
     whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
-    units.extend(_fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))
+    units.extend(_reduce_groups(unit, unit_bytes // 4)
+                 for unit in _fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))  # fmt: skip
     rest = [[params[n]] for n in first_use if n not in listed and n in params]
     units.extend([[p for one in unit for p in one]] for unit in _fill(rest, unit_bytes))
     units.sort(key=lambda unit: order[unit[0][0].fqn])
@@ -67,6 +69,19 @@ def _fill(blocks: list[list[Param]], unit_bytes: int) -> list[list[list[Param]]]
         else:
             units.append([list(block)])
     return units
+
+
+def _reduce_groups(blocks: list[list[Param]], least_bytes: int) -> list[list[Param]]:
+    """A unit's consecutive ``blocks`` joined into reduce groups, each closed
+    once it holds ``least_bytes`` of gathered weights; the last keeps what
+    is left."""
+    groups: list[list[Param]] = []
+    for block in blocks:
+        if groups and _gathered_bytes(groups[-1]) < least_bytes:
+            groups[-1].extend(block)
+        else:
+            groups.append(list(block))
+    return groups
 
 
 def _dtype_key(info: Param) -> tuple:
