@@ -24,6 +24,28 @@ if TYPE_CHECKING:
     from fxshard.plan import ParamPlan
 
 
+def versions(tensor: DTensor) -> tuple[int, int]:
+    """What an in-place write to a DTensor moves.
+
+    [Note: has it changed]
+    Five places ask whether a shard or its gradient changed since a moment:
+    ZeRO-1's copies (gather again), a held ``module.weight`` or
+    ``module.weight.grad`` (stale: ``writes.Source``, ``writes.GradSource``),
+    the gradients kept without sync (reset by ``zero_grad``:
+    ``RootState.check_kept``), and a shard still empty after ``to_empty``
+    (``ShardParameter.uninitialized``). Each compares these two counters:
+    DTensor's in-place ops bump the DTensor's own, and writes through
+    ``to_local()`` or ``.data`` bump its local tensor's, never both. Each
+    adds what its question needs: the local tensor's identity, where a new
+    local tensor is a change (``.data =`` on a plain DTensor) or, for a held
+    value, the same values moved to a unit's slot (not a change); the
+    shard's count of optimizer steps, where a fused optimizer writes without
+    moving either counter; and the tensor's own identity where the holder
+    does not keep the tensor alive. A tensor kept alive is compared by
+    identity (``is``), never by ``==`` (elementwise, on tensors)."""
+    return tensor._version, compat.local_tensor(tensor)._version
+
+
 class ShardParameter(DTensor):
     """A parameter's DTensor, ``Shard(0)`` or ``Replicate()``, as ``fxshard.compile`` registers it.
 
@@ -50,7 +72,7 @@ class ShardParameter(DTensor):
         self._empty_at = self._versions()
 
     def _versions(self) -> tuple[int, int]:
-        return self._version, compat.local_tensor(self)._version
+        return versions(self)
 
     @property
     def data(self) -> torch.Tensor:

@@ -60,7 +60,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fxshard.module.optimizers import count_optimizer_steps
-from fxshard.module.shards import ShardParameter, copy_rows, rows_of
+from fxshard.module.shards import ShardParameter, copy_rows, rows_of, versions
 from fxshard.runtime import compat
 
 Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
@@ -75,10 +75,9 @@ class Source:
         self.param, self.fqn = param, fqn
         self.state = self._now()
 
-    def _now(self) -> tuple[int, int, int, int]:
-        # In-place DTensor ops bump the DTensor's version, not its local tensor's.
-        local = compat.local_tensor(self.param)
-        return id(local), local._version, self.param._version, self.param.optimizer_steps
+    def _now(self) -> tuple:
+        # See [Note: has it changed]; a new local tensor is the same values moved (see check).
+        return id(compat.local_tensor(self.param)), versions(self.param), self.param.optimizer_steps
 
     def check(self) -> None:
         now = self._now()
@@ -244,8 +243,7 @@ class GradSource:
         grad = self.param.grad
         if grad is None:
             return None, (-1, -1)
-        local = compat.local_tensor(grad)  # in-place DTensor ops bump the DTensor's version, not this one's
-        return weakref.ref(local), (grad._version, local._version)
+        return weakref.ref(compat.local_tensor(grad)), versions(grad)  # see [Note: has it changed]
 
     def check(self) -> None:
         (ref, version), (now_ref, now_version) = self.state, self._now()

@@ -43,7 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxshard.module.optimizers import count_optimizer_steps
-from fxshard.module.shards import as_dtensor_grads, dtensor_metas
+from fxshard.module.shards import as_dtensor_grads, dtensor_metas, versions
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import Replicas, gather_many, reduce_many
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, GradStore
@@ -71,9 +71,9 @@ class KeptParams:
         """Gather the copies if a shard changed since the last gather (see the Note)."""
         mine = [params[i] for i in self.members]
         locals_ = {i: compat.local_tensor(p) for i, p in zip(self.members, mine)}
-        # Objects too: to_empty and .data assignments replace tensors, whose new counters start over.
-        seen = tuple((id(p), p._version, id(local), local._version, p.optimizer_steps)
-                     for p, local in zip(mine, locals_.values()))  # fmt: skip
+        # Objects too: to_empty and .data assignments replace tensors, whose new counters start over
+        # (see [Note: has it changed]).
+        seen = tuple((id(p), id(local), versions(p), p.optimizer_steps) for p, local in zip(mine, locals_.values()))
         if not self.stale and seen == self._seen:
             return
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
