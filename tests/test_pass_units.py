@@ -338,3 +338,38 @@ def test_tag_keeps_the_unit_gathered_last():
     gm = tag_unshard_pass(_joint(), [], policy=MUST_SAVE, unit_of=unit_of)
     tags = _tags(gm)
     assert {tag for chain in tags.values() for _, tag in chain} == {MUST_SAVE} and len(tags["w0"]) == 3
+
+
+# -- form_units: the benchmark models' reduces -----------------------------------
+
+
+def _llama_blocks(layers: int, dim: int, hidden: int, experts: int = 0) -> tuple[dict, list[list[str]], list[str]]:
+    """The parameter records of the benchmark's Llama (bench/models.py) or,
+    with ``experts``, an OLMoE-shaped layer (grouped expert weights), by
+    block, gathered in bf16; no other parameter."""
+    shapes: dict[str, tuple] = {}
+    for i in range(layers):
+        shapes.update({f"{i}.{n}": (dim, dim) for n in ("wq", "wk", "wv", "wo")})
+        shapes.update({f"{i}.norm1": (dim,), f"{i}.norm2": (dim,)})
+        if experts:
+            shapes.update({f"{i}.experts": (experts * 3 * hidden, dim), f"{i}.router": (experts, dim)})
+        else:
+            shapes.update({f"{i}.w1": (hidden, dim), f"{i}.w2": (dim, hidden), f"{i}.w3": (hidden, dim)})
+    names = list(shapes)
+    params = {n: records.param(j, n, s, s[0] // WS, world_size=WS, dtype=torch.bfloat16)
+              for j, (n, s) in enumerate(shapes.items())}  # fmt: skip
+    blocks = [[n for n in names if n.startswith(f"{i}.")] for i in range(layers)]
+    return params, blocks, names
+
+
+def test_the_benchmark_models_reduce_counts():
+    """A count that cannot be noisy, for [Note: a reduce per block]: a
+    reduce per block on the 375M model (24 MiB blocks) made its host-bound
+    step slower; blocks under a quarter of ``unit_mb`` are reduced together,
+    and the large blocks of the 1B model and OLMoE one by one."""
+    unit_bytes = 256 * 2**20  # the default unit_mb
+    for model, shape, units, reduces in (("375m", (24, 1024, 2816), 3, 9), ("1b", (16, 2048, 5632), 6, 16),
+                                         ("olmoe", (16, 1024, 512, 32), 6, 16)):  # fmt: skip
+        params, blocks, names = _llama_blocks(*shape)
+        formed = form_units(params, names, unit_bytes, blocks=blocks)
+        assert (len(formed), sum(map(len, formed))) == (units, reduces), model
