@@ -20,7 +20,7 @@ declare -A groups=(
   [errors]="error"
   [teardown]="destroy or reset_then"
 )
-selected=${GATE_GROUPS:-${!groups[@]}}  # e.g. GATE_GROUPS="memory errors"
+selected=${GATE_GROUPS:-${!groups[@]}}  # e.g. GATE_GROUPS="memory errors"; FXSHARD_GATE_CASES=a,b runs only those cases
 # Groups at once: all seven at 2 ranks; at 4 ranks, 24 processes compiling at
 # once on 4 GPUs outran a 400 s limit (4 x H100), so two at a time there.
 parallel=${GATE_PARALLEL:-$([ "${FXSHARD_GATE_WORLD:-2}" -ge 4 ] && echo 2 || echo 6)}
