@@ -23,6 +23,13 @@ through this module and nowhere else (``tests/test_layout.py`` checks it):
   ``before_destroy``) of every captured CUDA graph: NCCL hangs destroying a
   communicator that a live graph still uses, and the interpreter's exit
   destroys them in no fixed order.
+- **State per process group**, which lives as long as the group, not a
+  model, and so stays where it is used: the count of compiles per world
+  group that names each model's keys in the store alike on every rank
+  (``topology._COMPILES``), the side groups made per shard group
+  (``topology._SIDE_GROUPS``, weak) and the gloo groups that
+  ``FXSHARD_CHECK_COLLECTIVES`` checks on (``rank_checks._CHECK_GROUPS``).
+  None of them changes what the process does for anything but fxshard.
 """
 
 from __future__ import annotations
