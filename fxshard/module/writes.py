@@ -1,4 +1,4 @@
-"""Writes to a parameter's full value read from the module reach its shard.
+"""Writes to a parameter's gathered value read from the module reach its shard.
 
 [Note: writes to gathered parameters]
 Outside the model's forward, ``module.weight`` is the full parameter,
@@ -63,7 +63,7 @@ from fxshard.module.optimizers import count_optimizer_steps
 from fxshard.module.shards import ShardParameter, copy_rows, rows_of, versions
 from fxshard.runtime import compat
 
-Sink = Callable[[torch.Tensor], None]  # writes a full value's rows into the shard
+Sink = Callable[[torch.Tensor], None]  # writes a gathered value's rows into the shard
 
 
 class Source:
@@ -186,7 +186,7 @@ def parameter_of(value: Any) -> nn.Parameter | None:
 
 
 class ParameterLink:
-    """What a parameter's full value read outside the forward forwards to
+    """What a parameter's gathered value read outside the forward forwards to
     the parameter: ``.grad``, the shard's gradient gathered, and gradient
     hooks (see [Note: writes to gathered parameters]). ``gather`` makes the
     full tensor of a local one, as the value's read does."""

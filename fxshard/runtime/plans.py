@@ -38,6 +38,10 @@ fxshard's code and docs use these words in these meanings only:
 - **phase**: one root call's treatment of gradients, chosen per call: SYNC
   (reduce), ACCUMULATE (keep unreduced), FLUSH (reduce with what was kept)
   (see [Note: accumulation without sync]).
+- **bucket**: parameters that one collective moves outside a unit: ZeRO-1's
+  gathers of its copies, in runs of one dtype up to ``unit_mb``.
+  (``passes/bucket.py`` is named for what it does to a unit's markers: it
+  buckets them into the unit's one gather and its reduces.)
 
 [Note: markers name the plan]
 A marker op in a graph (``fxshard::unshard`` and its kin) carries two
