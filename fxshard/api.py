@@ -331,15 +331,13 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     graphs: list[GraphRecord] = []
     unit_plan = None
     if opts.backend != "eager":
-        spec = BackendSpec(opts.backend, opts.reshard_after_forward, dist.get_rank(), shard.size, shard.name,
+        spec = BackendSpec(opts.backend, opts.zero_stage != 2, dist.get_rank(), shard.size, shard.name,
                            opts.debug_dir, opts.unit_bytes, opts.prefetch, sharded_embeddings,
                            opts.compile_blocks_once, opts.reduces_in_flight, format_plan(params), explicit,
                            opts.disabled_passes, opts.inductor_config)  # fmt: skip
         if shard.size > 1:
             unit_plan = Units(state.runtime, state.gathered, shard.size, shard.name, reduce_group_name, replicas)
         compiled = FXShardBackend(spec, unit_plan, topology.agreement())
-        if state.shards.kept is not None:
-            state.shards.kept.agreement = topology.agreement("zero1")
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
         model.compile(backend=compiled, fullgraph=True)

@@ -67,9 +67,9 @@ CASES = {
     "tiny_llama_bf16": Case({"mp_policy": fxshard.MixedPrecision(torch.bfloat16, torch.float32)}),
     "tiny_llama_flat": Case({"compile_blocks_once": False}),
     "tiny_llama_small_units_prefetch2": Case({"unit_mb": 0.003, "prefetch": 2}),
-    # ZeRO-1: the graphs read the full copies as plain inputs. The gather
-    # after each optimizer step and the reduce after backward run eagerly,
-    # outside the graphs; tests/test_parity.py (ws2-zero1) checks their values.
+    # ZeRO-1: the graphs read the full copies in place (fxshard::kept) and
+    # reduce by units in the backward; the gather after each optimizer step
+    # runs eagerly, outside the graphs; tests/test_parity.py (ws2-zero1) checks values.
     "tiny_llama_zero1": Case({"zero_stage": 1}),
     # HSDP: sharded over the inner 2 ranks of a 2 x 2 mesh. The average
     # across replicas runs after the graph's backward, outside it; the plan

@@ -226,6 +226,18 @@ def test_keep_full_weights_gathers_once(fake_pg):
     assert _nodes(record.backward, AG) == []
 
 
+def test_zero1_reduces_in_the_backward_and_gathers_nothing(fake_pg):
+    """ZeRO-1's graphs read the kept copies in place and reduce the gradients
+    by units inside the backward, as ZeRO-2 does, never after it: the same
+    reduces as ZeRO-2's, no gather in any graph, and no full weight saved."""
+    zero2 = _train_once(models.TinyLlama(), **FLAT, reshard_after_forward=False)
+    zero1 = _train_once(models.TinyLlama(), **FLAT, zero_stage=1)
+    assert not _nodes(zero1.forward, AG) and not _nodes(zero1.backward, AG)
+    assert [n.args[3] for n in _nodes(zero1.backward, RS)] == [n.args[3] for n in _nodes(zero2.backward, RS)]
+    # The backward reads each kept copy as the forward's input, never a saved view of it.
+    assert _nodes(zero1.backward, RS) and not zero1.saved_full_weights
+
+
 def test_collective_order_filecheck(fake_pg):
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
     fxshard.compile(model, backend="aot_eager", unit_mb=PER_PARAM, prefetch=0)

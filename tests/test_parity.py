@@ -41,7 +41,8 @@ HSDP_CHECKS = ("hsdp", "hsdp_sequenced", "zero1_bf16_hsdp", "hsdp_no_sync_bf16",
 # under aot_eager, and Inductor's flat graphs in the zoo's Inductor seeds.
 # units_explicit and units_per_param_prefetch0: their unit layouts and
 # schedules are checked on graphs in test_graph_structure.
-FULL_CPU_CHECKS = ("llama_tied_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
+# zero1_inductor: ZeRO-1 reads and reduces under Inductor; the GPU gate runs it (strategies-zero1-*).
+FULL_CPU_CHECKS = ("llama_tied_inductor", "zero1_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
                    "no_shard_bf16", "accumulate_no_sync_uneven", "mamba_direct_reads_inductor", "units_explicit",
                    "units_per_param_prefetch0")  # fmt: skip
 # At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica) the others add little to

@@ -74,13 +74,14 @@ def shape_branch_differs(rank: int, world_size: int) -> None:
 
 
 def shape_branch_differs_zero1(rank: int, world_size: int) -> None:
-    """ZeRO-1's graphs read the full copies as plain inputs and issue no
-    collective: the reduce after backward compares what it reduces, and
-    raises before pairing rank 0's ``a`` gradients with rank 1's ``b``."""
+    """ZeRO-1's graphs gather nothing but reduce in the backward: the ranks
+    compare them before the first run, as at the other stages, and raise
+    before pairing rank 0's ``a`` gradients with rank 1's ``b``."""
     torch.manual_seed(0)
     model = fxshard.compile(rank_check_models.Branchy(), backend="aot_eager", zero_stage=1)
     x = torch.randn(2, 12 if rank == 0 else 4, 6)
-    _raises_on_every_rank(lambda: model(x).sum().backward(), RankMismatchError, "'a.weight'", "ZeRO-1")
+    _raises_on_every_rank(lambda: model(x).sum().backward(), RankMismatchError, "ZeRO-1's kept copy of 'a.weight'",
+                          "graph 0")  # fmt: skip
 
 
 def shape_branch_differs_across_replicas(rank: int, world_size: int, zero_stage: int) -> None:

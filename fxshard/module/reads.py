@@ -43,13 +43,14 @@ from fxshard.module.writes import ParameterLink, Source, gathered_parameter
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
-from fxshard.runtime.ops import SYNC, GradStore, replicate, unshard
+from fxshard.runtime.ops import SYNC, kept, replicate, unshard
 from fxshard.runtime.sequencer import seq_gather
 
 ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # keys in _fxshard_locals
 # The call's phase, in _fxshard_locals: a constant that dynamo guards on, so
 # each phase gets its own graph (see [Note: accumulation without sync]).
 PHASE = "__fxshard_phase__"
+KEPT = "__fxshard_kept__."  # + attribute name: ZeRO-1's full copy, in _fxshard_locals
 
 
 def _gather(local: torch.Tensor, spec: ParamPlan, plan: int, index: int, phase: int = SYNC) -> torch.Tensor:
@@ -90,7 +91,7 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         # Averaged over the whole mesh already, HSDP replicas included: the
         # reduces in the graphs do it (see [Note: HSDP]).
-        return as_dtensor_grads(grads, ctx.metas, None)
+        return as_dtensor_grads(grads, ctx.metas)
 
 
 class LocalShards:
@@ -144,16 +145,11 @@ class LocalShards:
             for module in self._modules:
                 module.__dict__["_fxshard_locals"].clear()
 
-    def scope(self, phase: int, store: GradStore) -> contextlib.AbstractContextManager[None]:
-        """The local shards and the call's phase, for the duration of one
-        call. ``store``: where ZeRO-1's copies keep gradients without sync."""
+    def scope(self, phase: int) -> contextlib.AbstractContextManager[None]:
+        """The local shards, ZeRO-1's full copies and the call's phase, for the duration of one call."""
         params = self.parameters()
         locals_: list[torch.Tensor | None] = [None] * len(params)
-        if self.kept is not None:
-            self.kept.refresh(params)
-            for i, full in self.kept.reads(params, phase, store).items():
-                locals_[i] = full
-        trained = [i for i, p in enumerate(params) if p.requires_grad and locals_[i] is None]
+        trained = [i for i, p in enumerate(params) if p.requires_grad]
         if trained and torch.is_grad_enabled():
             for i, local in zip(trained, _ToLocal.apply(*(params[i] for i in trained))):
                 locals_[i] = local
@@ -161,6 +157,10 @@ class LocalShards:
             if locals_[i] is None:
                 locals_[i] = p.to_local().detach()
         values: dict = {pair: local for pairs, local in zip(self._owners, locals_) for pair in pairs}
+        if self.kept is not None:
+            self.kept.refresh(params)
+            values.update({(m, KEPT + attr): full for i, full in self.kept.full.items()
+                           for m, attr in self._owners[i]})  # fmt: skip
         values.update({(m, PHASE): phase for m in self._modules})
         return self._filled(values)
 
@@ -181,9 +181,10 @@ def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_sto
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
             return seq_gather(anchor, plan, index)
         if attr in table:  # inside a root call: the compute dtype, read by the graph
-            if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
-                return table[attr]
             phase = table[PHASE]
+            if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
+                local, full = table[attr], table[KEPT + attr]
+                return kept(local, full, plan, index, phase) if local.requires_grad else full
             if spec.replicated:
                 return _read_replicated(table[attr], spec, plan, index, phase)
             return _gather(table[attr], spec, plan, index, phase)

@@ -196,7 +196,7 @@ class RootState:
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
         try:
-            with self.shards.scope(self._phase(), self.store):
+            with self.shards.scope(self._phase()):
                 out = base.__call__(module, *args, **kwargs)
         except Exception as error:
             if not compat.is_user_error(error):

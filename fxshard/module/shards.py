@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxshard.runtime import compat, process
-from fxshard.runtime.collectives import Replicas, shard_range
+from fxshard.runtime.collectives import shard_range
 from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import in_slot
 
@@ -225,15 +225,8 @@ def dtensor_metas(params: tuple[DTensor, ...]) -> list:
     return [compat.dtensor_spec(p) for p in params]
 
 
-def as_dtensor_grads(grads: tuple[torch.Tensor | None, ...], specs: list,
-                     replicas: Replicas | None) -> tuple[DTensor | None, ...]:  # fmt: skip
-    """Local gradients as their parameters' DTensor gradients (``specs`` from
-    ``dtensor_metas``), averaged across HSDP ``replicas`` first (see [Note: HSDP])."""
-    grads = list(grads)
-    if replicas is not None:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        for i, g in zip(present, replicas.average([grads[i] for i in present])):
-            grads[i] = g
+def as_dtensor_grads(grads: tuple[torch.Tensor | None, ...], specs: list) -> tuple[DTensor | None, ...]:
+    """Local gradients as their parameters' DTensor gradients (``specs`` from ``dtensor_metas``)."""
     return tuple(None if g is None else grad_dtensor(g, spec) for g, spec in zip(grads, specs))
 
 

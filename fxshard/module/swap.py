@@ -222,9 +222,9 @@ def shard_parameters(
     replicas = topology.replicas
     model_runtime.sequencer = Sequencer(table.id, params, topology.shard.size, topology.shard.name, replicas)
     kept = [p for p in params if p.plan.kept]
-    shards = LocalShards(list(owners.values()), KeptParams(kept, replicas, bucket_bytes) if kept else None)
-    # Units gather and reduce the shards that graphs gather.
-    gathered = tuple(p for p in params if not p.plan.replicated and not p.plan.kept)
+    shards = LocalShards(list(owners.values()), KeptParams(kept, bucket_bytes) if kept else None)
+    # Units gather and reduce the shards that graphs gather, and reduce ZeRO-1's (see [Note: ZeRO-1]).
+    gathered = tuple(p for p in params if not p.plan.replicated)
     state = RootState(shards, model_runtime, sequenced, gathered, topology.device, fqns)
     watch_unsynced(state)
     for mod, attrs in per_module.items():

@@ -10,7 +10,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxshard.passes.markers import is_all_reduce_grad, is_reduce, is_replicate, is_unshard, param_of, plan_index
+from fxshard.passes.markers import (
+    is_all_reduce_grad,
+    is_kept,
+    is_reduce,
+    is_replicate,
+    is_unshard,
+    param_of,
+    plan_index,
+)
 from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
 
@@ -107,6 +115,23 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
     graph.erase_node(node)
 
 
+def _read_kept(graph: fx.Graph, node: fx.Node) -> None:
+    """ZeRO-1's read reads the kept copy, a graph input, in place: it is kept
+    across steps, and the joint graph's tags made the backward read it as a
+    saved input, never as a saved intermediate that Inductor may reuse (see
+    [Note: ZeRO-1] in fxshard/module/zero1.py). A graph output gets a copy:
+    AOTAutograd took the marker's output for a fresh tensor."""
+    full = node.args[1]
+    if any(user.op == "output" for user in node.users):
+        with graph.inserting_before(node):
+            copy = graph.call_function(torch.ops.aten.clone.default, (full,))
+        copy.meta = {**{k: node.meta[k] for k in COPIED_META if k in node.meta}, "val": node.meta.get("val")}
+        copy.meta.update({LOWERED: True, PARAM: param_of(node).fqn})
+        full = copy
+    node.replace_all_uses_with(full)
+    graph.erase_node(node)
+
+
 def _on_replicas(node: fx.Node, p: plans.ParamPlan) -> bool:
     """Whether the all-reduce ``node`` runs across ``p``'s replicas."""
     return p.replicas > 1 and node.args[2] == p.replica_group_name
@@ -115,7 +140,8 @@ def _on_replicas(node: fx.Node, p: plans.ParamPlan) -> bool:
 def lower_collectives_pass(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, decompositions: dict | None = None
 ) -> fx.GraphModule:
-    """Replace each ``fxshard::unshard`` with its all-gather, each
+    """Replace each ``fxshard::unshard`` with its all-gather, each ``fxshard::kept``
+    with the kept copy it reads, each
     ``fxshard::reduce_grad`` with its reduce-scatter, each ``fxshard::replicate``
     with its cast and each ``fxshard::all_reduce_grad`` with its all-reduce, in place.
     On an HSDP mesh a reduce adds its all-reduce across replicas, tagged
@@ -129,8 +155,13 @@ def lower_collectives_pass(
     compiler that runs next (Inductor expects its decomposed op set, e.g. no
     ``aten._to_copy``). Does nothing on a graph without markers.
     """
+    kept = [n for n in gm.graph.nodes if is_kept(n)]
+    for node in kept:
+        _read_kept(gm.graph, node)
     plan = plan_lowering(gm)
     if not plan:
+        if kept:
+            gm.graph.lint()
         return gm
     fake_mode = compat.detect_fake_mode(example_inputs)
     for lowering in plan:

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from fxshard.runtime import compat, plans
 from fxshard.runtime.embedding import EMBEDDING
-from fxshard.runtime.ops import ALL_REDUCE_GRAD, REDUCE_GRAD, REPLICATE, SYNC, UNSHARD
+from fxshard.runtime.ops import ALL_REDUCE_GRAD, KEPT, REDUCE_GRAD, REPLICATE, SYNC, UNSHARD
 from fxshard.runtime.sequencer import SEQ_GATHER, SEQ_GRAD
 
 # Dtype casts count as views here: they only change how the full weight is read.
@@ -38,9 +38,19 @@ def is_replicate(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (REPLICATE, torch.ops.fxshard.replicate)
 
 
+def is_kept(node: fx.Node) -> bool:
+    """A read of ZeRO-1's full copy (see [Note: ZeRO-1] in fxshard/module/zero1.py)."""
+    return node.op == "call_function" and node.target in (KEPT, torch.ops.fxshard.kept)
+
+
+def is_sharded_read(node: fx.Node) -> bool:
+    """A read of a sharded parameter, whose gradient a unit reduces: an unshard, or ZeRO-1's kept copy."""
+    return is_unshard(node) or is_kept(node)
+
+
 def is_weight_read(node: fx.Node) -> bool:
-    """A marker that reads one parameter whole: an unshard or a replicated read."""
-    return is_unshard(node) or is_replicate(node)
+    """A marker that reads one parameter whole: an unshard, a kept copy or a replicated read."""
+    return is_unshard(node) or is_kept(node) or is_replicate(node)
 
 
 def is_all_reduce_grad(node: fx.Node) -> bool:
@@ -56,7 +66,7 @@ def is_embedding(node: fx.Node) -> bool:
 _NAMING = {
     **dict.fromkeys(("unshard", "replicate", "reduce_grad", "all_reduce_grad", "accumulate_grad",
                      "take_accumulated", "seq_gather"), 1),
-    **dict.fromkeys(("embedding", "embedding_backward", "seq_grad"), 2),
+    **dict.fromkeys(("embedding", "embedding_backward", "seq_grad", "kept"), 2),
 }  # fmt: skip
 
 
@@ -89,7 +99,8 @@ def named_param(node: fx.Node) -> str | None:
 
 def phase_of(node: fx.Node) -> int:
     """The phase of a read (see [Note: accumulation without sync] in fxshard/runtime/ops.py)."""
-    return node.args[3] if len(node.args) > 3 else node.kwargs.get("phase", SYNC)
+    at = (_tensors_before_plan(node) or 1) + 2
+    return node.args[at] if len(node.args) > at else node.kwargs.get("phase", SYNC)
 
 
 def is_seq_gather(node: fx.Node) -> bool:

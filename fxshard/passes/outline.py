@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxshard.passes.dump import dotted_path
-from fxshard.passes.markers import example_value, full_weight_views, is_unshard, is_weight_read, param_of
+from fxshard.passes.markers import example_value, full_weight_views, is_sharded_read, is_weight_read, param_of
 from fxshard.passes.runner import Recorded
 from fxshard.passes.tagging import backward_nodes
 from fxshard.runtime import compat
@@ -265,7 +265,7 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
         body_name = f"fxshard_block_{len(bodies)}"
         gm.register_module(body_name, _body(gm, members[0]))
         outlined.extend((block, body_name) for block in members)
-        weights.extend([param_of(i).fqn for i in block.inputs if is_unshard(i)] for block in members)
+        weights.extend([param_of(i).fqn for i in block.inputs if is_sharded_read(i)] for block in members)
         bodies.append([b.name for b in members])
     renamed: dict[fx.Node, fx.Node] = {}  # a replaced block's outputs -> their getitems
     resolved: dict[fx.Node, fx.Node] = {}  # an input with a lazy bit -> it resolved, once for every call

@@ -41,7 +41,13 @@ from fxshard.passes.dedupe import dedupe_unshard_pass
 from fxshard.passes.dump import Dumper
 from fxshard.passes.embedding import shard_embedding_pass
 from fxshard.passes.lower import lower_collectives_pass
-from fxshard.passes.markers import full_weight_views, is_seq_gather, is_unshard, nodes_in_call_order, param_of
+from fxshard.passes.markers import (
+    full_weight_views,
+    is_seq_gather,
+    is_sharded_read,
+    nodes_in_call_order,
+    param_of,
+)
 from fxshard.passes.memory import GraphPeak, graph_peak, held_inputs, load_estimates, save_estimates
 from fxshard.passes.outline import (
     OutlineRecord,
@@ -70,7 +76,9 @@ class BackendSpec:
     """Everything the passes need to know, decided by ``fxshard.compile``."""
 
     compiler: str  # one of COMPILERS
-    reshard_after_forward: bool
+    # The backward reads parameters again rather than saved from the forward:
+    # ZeRO-3 gathers again; ZeRO-1 reads its kept copies, graph inputs. False: ZeRO-2 saves the gathered values.
+    recompute_reads: bool
     rank: int
     world_size: int
     group_name: str
@@ -187,7 +195,7 @@ class FXShardBackend:
         # cache entry dies); the model's plan holds the units.
         self._units = weakref.ref(units) if units is not None else None
         self.graphs: list[GraphRecord] = []
-        self._policy = CheckpointPolicy.MUST_RECOMPUTE if spec.reshard_after_forward else CheckpointPolicy.MUST_SAVE
+        self._policy = CheckpointPolicy.MUST_RECOMPUTE if spec.recompute_reads else CheckpointPolicy.MUST_SAVE
 
     @property
     def units(self) -> Units | None:
@@ -227,7 +235,7 @@ class FXShardBackend:
             if not self.units.assigned:  # from the first graph (see [Note: units and flat shards])
                 # Reads inside a checkpointed region count too: else its weights got no unit and
                 # were gathered one by one, all at the top of the forward graph.
-                first_use = [param_of(n).fqn for n in nodes_in_call_order(record.captured) if is_unshard(n)]
+                first_use = [param_of(n).fqn for n in nodes_in_call_order(record.captured) if is_sharded_read(n)]
                 self.units.form(form_units(self.units.params, first_use, self.spec.unit_bytes,
                                            self.spec.explicit_units, record.outline.weights))  # fmt: skip
             record.units = format_units(self.units)
@@ -337,7 +345,7 @@ class FXShardBackend:
             record.full_weights_in_forward = {
                 v.name: param_of(n).fqn
                 for n in gm.graph.nodes
-                if is_unshard(n) or is_seq_gather(n)
+                if is_sharded_read(n) or is_seq_gather(n)
                 for v in full_weight_views(n, set())
             }
         elif phase == "backward":

@@ -11,6 +11,7 @@ import torch.fx as fx
 from fxshard.passes.markers import (
     example_value,
     is_embedding,
+    is_kept,
     is_replicate,
     is_unshard,
     nodes_in_call_order,
@@ -38,6 +39,12 @@ def _line(node: fx.Node) -> str | None:
         )
         gradient += _PHASES[phase_of(node)] if reduced else ""
         return f"all-gather of {p.fqn!r} {shape} in {_dtype(p.dtype)}{gradient}"
+    if is_kept(node):  # ZeRO-1: nothing gathered in the graph (see [Note: ZeRO-1] in fxshard/module/zero1.py)
+        p = param_of(node)
+        val = example_value(node)
+        reduced = isinstance(val, torch.Tensor) and val.requires_grad
+        gradient = f"gradient reduce-scattered in {_dtype(p.reduce_dtype)}{_replicas(p)}" if reduced else "no gradient"
+        return f"ZeRO-1's kept copy of {p.fqn!r} in {_dtype(p.dtype)}, {gradient}{_PHASES[phase_of(node)] if reduced else ''}"
     if is_replicate(node):
         p = param_of(node)
         val = example_value(node)

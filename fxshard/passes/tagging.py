@@ -9,7 +9,8 @@ re-run the unshard in the backward graph: a second all-gather instead of a
 saved full weight. Views and casts of the full weight are tagged too; left
 untagged, the partitioner may save one of them instead (a transposed weight
 is as large as the weight). ``MUST_SAVE`` keeps full weights for backward
-(``reshard_after_forward=False``).
+(``reshard_after_forward=False``). ZeRO-1's reads of its kept copies are
+always ``MUST_RECOMPUTE``: the backward then reads the copy, a graph input.
 
 One exception to resharding: the unit the forward gathers last (typically
 the final norm and the output projection) is kept. The backward reads it
@@ -26,7 +27,7 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxshard.passes.markers import full_weight_views, is_unshard, param_of
+from fxshard.passes.markers import full_weight_views, is_kept, is_unshard, param_of
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -55,6 +56,11 @@ def tag_unshard_graph(
         tag = CheckpointPolicy.MUST_SAVE if param_of(node).fqn in keep else policy
         for chain_node in full_weight_views(node, exclude=in_backward):
             chain_node.meta["recompute"] = tag
+    # ZeRO-1's kept copies are inputs, free to save; a saved intermediate
+    # would be one Inductor may reuse (see [Note: ZeRO-1] in fxshard/module/zero1.py).
+    for node in [n for n in graph.nodes if is_kept(n) and n not in in_backward]:
+        for chain_node in full_weight_views(node, exclude=in_backward):
+            chain_node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return len(unshards)
 
 

@@ -111,26 +111,6 @@ def gather_many(shards: list[torch.Tensor], dim0s: list[int], world_size: int, g
     return out
 
 
-def reduce_many(grads: list[torch.Tensor], local_rows: list[int], world_size: int, group_name: str,
-                reduce_dtype: torch.dtype, out_dtypes: list[torch.dtype]) -> list[torch.Tensor]:  # fmt: skip
-    """``reduce_to_shard`` of several full gradients, summed in ``reduce_dtype``,
-    in one reduce-scatter: rank r's padded rows of every gradient, end to end."""
-    grads = [g.to(reduce_dtype) for g in grads]
-    if world_size == 1:
-        return [g.to(o) for g, o in zip(grads, out_dtypes)]
-    chunks = [chunk_rows(g.shape[0], world_size) for g in grads]
-    parts = [_pad_rows(g, c * world_size).reshape(world_size, c * math.prod(g.shape[1:]))
-             for g, c in zip(grads, chunks)]  # fmt: skip
-    flat = torch.cat(parts, dim=1).reshape(-1)
-    mine = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(flat, "sum", world_size, group_name)) / world_size
-    out, start = [], 0
-    for g, c, rows, part, o in zip(grads, chunks, local_rows, parts, out_dtypes):
-        n = part.shape[1]
-        out.append(mine[start : start + n].view(c, *g.shape[1:])[:rows].to(o))
-        start += n
-    return out
-
-
 def reduce_replicated(
     grad: torch.Tensor,
     world_size: int,
@@ -202,8 +182,6 @@ def any_rank(flags: torch.Tensor, world_size: int, group_name: str) -> list[bool
 # - Reads outside a root call (eager markers) and the sequencer's reduces
 #   at the end of a backward call the same functions: sequenced reads
 #   overlap no reduce with the backward anyway (see [Note: sequenced reads]).
-# - ZeRO-1's coalesced reduces, after the backward, are then averaged
-#   through ``Replicas.average`` (``module/zero1.py``), all at once.
 # So ``module.reads._ToLocal`` hands the graphs' gradients through as they are.
 # Without sync nothing is reduced, so nothing is averaged; the call with
 # sync reduces the sum once, and averages it then: once per synced step.
@@ -217,17 +195,3 @@ class Replicas:
 
     def __init__(self, size: int, group_name: str) -> None:
         self.size, self.group_name = size, group_name
-
-    def average(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor averaged over the replicas: one all-reduce per dtype
-        (ZeRO-1's reduced gradients, after the backward; see the Note)."""
-        out: list[torch.Tensor] = list(grads)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_dtype.setdefault(g.dtype, []).append(i)
-        for indices in by_dtype.values():
-            flat = torch.cat([grads[i].reshape(-1) for i in indices])
-            flat = _funcol.wait_tensor(_funcol.all_reduce(flat, "sum", self.group_name)) / self.size
-            for i, part in zip(indices, flat.split([grads[i].numel() for i in indices])):
-                out[i] = part.view(grads[i].shape)
-        return out

@@ -255,7 +255,37 @@ def _replicate_backward(ctx, grad):
 
 replicate.register_autograd(_replicate_backward, setup_context=_marker_setup)
 
+
+@torch.library.custom_op("fxshard::kept", mutates_args=())
+def kept(shard: torch.Tensor, full: torch.Tensor, plan: int, index: int, phase: int = SYNC) -> torch.Tensor:
+    """ZeRO-1's read of parameter ``index`` of ``plan``: ``full``, the copy
+    kept gathered between steps, with nothing to gather; its gradient goes to
+    ``shard`` as an unshard's does (reduce-scattered, or kept without sync),
+    so a graph's backward reduces it in the graph, overlapped, not after it
+    (see [Note: ZeRO-1] in fxshard/module/zero1.py). Compiled graphs read
+    ``full`` itself (``lower_collectives``); run eagerly, a copy, as a custom
+    op's output must not alias its input."""
+    return full.clone()
+
+
+@kept.register_fake
+def _kept_fake(shard, full, plan, index, phase=SYNC):
+    return torch.empty_like(full)
+
+
+def _kept_setup(ctx, inputs, output):
+    _, _, ctx.plan, ctx.index, *phase = inputs
+    ctx.phase = phase[0] if phase else SYNC
+
+
+def _kept_backward(ctx, grad):
+    return _phase_backward(grad.contiguous(), ctx.plan, ctx.index, ctx.phase, reduce_grad), None, None, None, None
+
+
+kept.register_autograd(_kept_backward, setup_context=_kept_setup)
+
 UNSHARD = torch.ops.fxshard.unshard.default
+KEPT = torch.ops.fxshard.kept.default
 REDUCE_GRAD = torch.ops.fxshard.reduce_grad.default
 REPLICATE = torch.ops.fxshard.replicate.default
 ACCUMULATE_GRAD = torch.ops.fxshard.accumulate_grad.default

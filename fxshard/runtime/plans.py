@@ -29,7 +29,8 @@ fxshard's code and docs use these words in these meanings only:
   a reduce per block]), over one flat buffer of per-rank slots, formed in order of
   first use up to ``unit_mb`` or as listed by ``units=`` (see [Note: units
   and flat shards]). Not a module boundary: a layer is never split between
-  units, but a unit may hold several layers.
+  units, but a unit may hold several layers. ZeRO-1's units only reduce:
+  their parameters' copies stay gathered (see [Note: ZeRO-1]).
 - **block**: a layer (``layers.<i>``) compiled once as a body that every
   alike layer calls (see [Note: outlined blocks]).
 - **reduce**: what a gradient goes through to reach its shard's ``.grad``,

@@ -382,6 +382,14 @@ SCENARIOS: dict[str, Scenario] = {
         clip_norm=0.5,
         sequenced=False,
     ),
+    # Inductor: the kept copies are graph inputs that the backward reads in
+    # place, in outlined layers too (none saved as an intermediate Inductor may reuse).
+    "zero1_inductor": Scenario(
+        **LLAMA,
+        compile_kwargs=dict(backend="inductor", zero_stage=1, unit_mb=0.003),
+        micro_batches=2,
+        sequenced=False,
+    ),
     "zero1_uneven": Scenario(  # empty shards (at 4 ranks) in coalesced gathers and reduces
         make_model=models.Uneven,
         make_batch=lambda g: torch.randn(3, 5, generator=g),
