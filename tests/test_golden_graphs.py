@@ -71,9 +71,8 @@ CASES = {
     # reduce by units in the backward; the gather after each optimizer step
     # runs eagerly, outside the graphs; tests/test_parity.py (ws2-zero1) checks values.
     "tiny_llama_zero1": Case({"zero_stage": 1}),
-    # HSDP: sharded over the inner 2 ranks of a 2 x 2 mesh. The average
-    # across replicas runs after the graph's backward, outside it; the plan
-    # shows it.
+    # HSDP: sharded over the inner 2 ranks of a 2 x 2 mesh; each unit's
+    # reduce is averaged across the replicas inside the backward.
     "tiny_llama_hsdp_2x2": Case(mesh=(2, 2)),
     # Replicated parameters: marked (a module and a parameter), and frozen
     # ones (shard_frozen=False), read without a gather.

@@ -952,32 +952,27 @@ def test_replicated_reads_stay_outside_outlined_blocks(fake_pg):
 
 def _hsdp(model: nn.Module, shape: tuple[int, int], monkeypatch, **kwargs):
     """Compile ``model`` on a (replicate, shard) mesh of ``shape`` and train
-    one step; the record, the replicate group, and what the runtime did:
-    ``started``, the all-reduces it started (numel, group), and ``after``,
-    how many gradients ``Replicas.average`` averaged after a backward."""
+    one step; the record, the replicate group, and ``started``, the
+    all-reduces the runtime started (numel, group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.runtime.collectives import Replicas
-
-    started, after = [], []
+    started = []
     start = getattr(compat, "all_reduce_async", None)
     monkeypatch.setattr(compat, "all_reduce_async", lambda t, g, **kw: started.append((t.numel(), g)) or start(t, g, **kw),
                         raising=False)  # fmt: skip
-    average = Replicas.average
-    monkeypatch.setattr(Replicas, "average", lambda self, grads: after.append(len(grads)) or average(self, grads))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     fxshard.compile(model, mesh, backend="aot_eager", **kwargs)
     tokens = torch.randint(0, 37, (2, 9))
     lm_loss(model(tokens), tokens).backward()
     (record,) = model.fxshard_plan.graphs
-    return record, mesh.get_group("replicate"), started, after
+    return record, mesh.get_group("replicate"), started
 
 
 def _replica_all_reduces(gm: fx.GraphModule, group) -> list[fx.Node]:
     return [n for n in _nodes(gm, torch.ops._c10d_functional.all_reduce.default) if n.args[2] == group.group_name]
 
 
-@pytest.mark.parametrize("zero_stage", [3, 2])
+@pytest.mark.parametrize("zero_stage", [3, 2, 1])
 def test_hsdp_averages_each_unit_across_replicas_inside_the_backward(fake_pg, monkeypatch, zero_stage):
     """HSDP on a 2 x 2 mesh (see [Note: HSDP]): the backward graph averages
     each unit's reduced gradient across the replicas itself. One
@@ -986,12 +981,10 @@ def test_hsdp_averages_each_unit_across_replicas_inside_the_backward(fake_pg, mo
     waited for, and its wait comes later, with what is left of the backward
     between (at the end of the graph). A replicated
     parameter's average is an all-reduce on the replicate group, waited for
-    late too. Nothing averages the gradients after the backward: no
-    ``Replicas.average``, which concatenated every gradient shard and
-    all-reduced them at once, after the whole backward."""
+    late too. ZeRO-1's kept copies average the same way, inside the backward."""
     model = models.TinyLlama(tie=False)
     fxshard.no_shard(model.norm)
-    record, replicate, started, after = _hsdp(model, (2, 2), monkeypatch, zero_stage=zero_stage, unit_mb=0.003)
+    record, replicate, started = _hsdp(model, (2, 2), monkeypatch, zero_stage=zero_stage, unit_mb=0.003)
     bw, units = record.backward, model.fxshard_plan.units
     pos = _positions(bw)
     comm = ("fxshard.unit_", "_c10d_functional.")  # the collectives and their waits; the rest computes
@@ -1014,20 +1007,18 @@ def test_hsdp_averages_each_unit_across_replicas_inside_the_backward(fake_pg, mo
     assert pos[norm_wait] > pos[norm] + 1
     assert any(pos[norm] < p < pos[norm_wait] for p in compute)
 
-    # What ran: one all-reduce on the replicate group per unit reduce, of that
-    # reduce's output, and no average after the backward.
+    # What ran: one all-reduce on the replicate group per unit reduce, of that reduce's output.
     expected = [units.reduce_layout(r.args[2], r.args[3])[0] for r in reduces]
     assert [n for n, _ in started] == expected
     assert all(dist.get_process_group_ranks(g) == dist.get_process_group_ranks(replicate) for _, g in started)
-    assert after == [], "gradients averaged across replicas after the backward"
 
 
 def test_hsdp_without_sharding_averages_inside_the_backward(fake_pg, monkeypatch):
     """A (4, 1) mesh shards nothing (no units): each gradient's average across
     the replicas is an all-reduce on the replicate group inside the backward
-    graph, waited for at its end, and nothing averages after it."""
+    graph, waited for at its end."""
     model = models.TinyLlama(tie=False)
-    record, replicate, started, after = _hsdp(model, (4, 1), monkeypatch)
+    record, replicate, started = _hsdp(model, (4, 1), monkeypatch)
     bw = record.backward
     assert model.fxshard_plan.units is None
     pos = _positions(bw)
@@ -1042,7 +1033,6 @@ def test_hsdp_without_sharding_averages_inside_the_backward(fake_pg, monkeypatch
             n.op == "call_function" and pos[wait] < pos[n] < pos[output] and not n.meta.get(LOWERED)
             for n in bw.graph.nodes
         ), "compute after the replica waits: they are not at the end"
-    assert after == []
 
 
 class _ClampLayer(nn.Module):

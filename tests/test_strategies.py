@@ -116,6 +116,35 @@ def test_zero1_gathers_once_per_step_and_after_writes(no_dist, monkeypatch):
     assert kept.gathers == 5 and not runtime.state(plan).store.grads
 
 
+class _ReturnsWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.b(self.a(x)).sum(), self.a.weight.T, self.b.weight[1:3], self.a.bias
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_zero1_outputs_never_alias_the_kept_copies(no_dist, monkeypatch, backend):
+    """Graphs read ZeRO-1's kept copies in place; a forward that returns a
+    weight, or a view of one, returns a copy, with and without grad: a write
+    to it must not reach the kept copy, which the next micro-batch reads
+    (before, a returned view was the kept copy itself)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.manual_seed(0)
+    model = fxshard.compile(_ReturnsWeights(), backend=backend, zero_stage=1)
+    kept = runtime.state(model.fxshard_plan).shards.kept
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            _, *weights = model(torch.randn(3, 4))
+        before = {i: full.clone() for i, full in kept.full.items()}
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(0)
+        assert all(torch.equal(kept.full[i], before[i]) for i in before), f"grad={grad}: a write reached a kept copy"
+
+
 def test_coalesced_gather_takes_empty_and_one_dimensional_parameters(fake_pg):
     """ZeRO-1's coalesced gather on shapes that ``reshape(-1)`` trips on: no
     elements, no rows on this rank, one dimension (fake group: shapes only)."""
@@ -216,14 +245,14 @@ class _TwoHeads(nn.Module):
         return getattr(self, head)(torch.tanh(self.body(x)))
 
 
-def _leftovers(rank: int, world_size: int) -> dict:
+def _leftovers(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """Head ``a`` is used only by the micro-batches without sync: the graph
     with sync takes nothing for it, and its sum is reduced when that
     backward ends. Gradients match the unsharded sum over ranks."""
     torch.manual_seed(0)
     model, ref = _TwoHeads(), _TwoHeads()
     ref.load_state_dict(model.state_dict())
-    fxshard.compile(model, backend="aot_eager")
+    fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
     xs = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(3)]
           for r in range(world_size)]  # fmt: skip
     heads = ("a", "a", "b")
@@ -238,13 +267,13 @@ def _leftovers(rank: int, world_size: int) -> dict:
     return {}
 
 
-def _reset_between(rank: int, world_size: int, set_to_none: bool) -> dict:
+def _reset_between(rank: int, world_size: int, set_to_none: bool, zero_stage: int = 3) -> dict:
     """zero_grad after a micro-batch without sync drops what it kept, as it
     drops .grad: the step then holds only the later micro-batch's gradient."""
     torch.manual_seed(0)
     model, ref = _TwoHeads(), _TwoHeads()
     ref.load_state_dict(model.state_dict())
-    fxshard.compile(model, backend="aot_eager")
+    fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xs = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)]
           for r in range(world_size)]  # fmt: skip
@@ -280,6 +309,9 @@ TWO_RANK_CHECKS = {
     "kept_gradients_no_read_took_are_reduced": lambda r, w: _leftovers(r, w),
     "zero_grad_drops_kept_gradients": lambda r, w: _reset_between(r, w, True),
     "zero_grad_in_place_drops_kept_gradients": lambda r, w: _reset_between(r, w, False),
+    # ZeRO-1's kept copies keep and reduce gradients as the other stages' reads do.
+    "kept_gradients_no_read_took_are_reduced_zero1": lambda r, w: _leftovers(r, w, zero_stage=1),
+    "zero_grad_drops_kept_gradients_zero1": lambda r, w: _reset_between(r, w, True, zero_stage=1),
     "ranks_must_mark_the_same_no_shard_parameters": lambda r, w: _marks_differ(r, w),
 }
 

@@ -184,7 +184,7 @@ def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_sto
             phase = table[PHASE]
             if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
                 local, full = table[attr], table[KEPT + attr]
-                return kept(local, full, plan, index, phase) if local.requires_grad else full
+                return kept(local, full, plan, index, phase)
             if spec.replicated:
                 return _read_replicated(table[attr], spec, plan, index, phase)
             return _gather(table[attr], spec, plan, index, phase)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,21 +116,42 @@ def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions:
     graph.erase_node(node)
 
 
-def _read_kept(graph: fx.Graph, node: fx.Node) -> None:
-    """ZeRO-1's read reads the kept copy, a graph input, in place: it is kept
-    across steps, and the joint graph's tags made the backward read it as a
-    saved input, never as a saved intermediate that Inductor may reuse (see
-    [Note: ZeRO-1] in fxshard/module/zero1.py). A graph output gets a copy:
-    AOTAutograd took the marker's output for a fresh tensor."""
-    full = node.args[1]
-    if any(user.op == "output" for user in node.users):
-        with graph.inserting_before(node):
-            copy = graph.call_function(torch.ops.aten.clone.default, (full,))
-        copy.meta = {**{k: node.meta[k] for k in COPIED_META if k in node.meta}, "val": node.meta.get("val")}
-        copy.meta.update({LOWERED: True, PARAM: param_of(node).fqn})
-        full = copy
-    node.replace_all_uses_with(full)
-    graph.erase_node(node)
+def _read_kept(graph: fx.Graph, kept: list[fx.Node]) -> None:
+    """ZeRO-1's reads read the kept copies, graph inputs, in place: they are
+    kept across steps, and the joint graph's tags made the backward read them
+    as saved inputs, never as saved intermediates that Inductor may reuse
+    (see [Note: ZeRO-1] in fxshard/module/zero1.py). A graph output that is
+    a read or a view of one (``return y, self.lin.weight.T``; a saved view
+    the tags missed) gets a copy: AOTAutograd took it for a fresh tensor,
+    which its user or Inductor may write."""
+    aliases = set(kept)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.args and node.args[0] in aliases and _is_view(node):
+            aliases.add(node)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy(arg: fx.Node) -> fx.Node:
+        if arg not in aliases:
+            return arg
+        if arg not in copies:
+            with graph.inserting_before(output):
+                copies[arg] = graph.call_function(torch.ops.aten.clone.default, (arg,))
+            copies[arg].meta = {k: arg.meta[k] for k in (*COPIED_META, "val") if k in arg.meta}
+        return copies[arg]
+
+    output.args = fx.node.map_arg(output.args, copy)
+    for node in kept:
+        node.replace_all_uses_with(node.args[1])
+        graph.erase_node(node)
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An op whose output may share its first argument's storage: a view, or an item of a view's list (split)."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
 def _on_replicas(node: fx.Node, p: plans.ParamPlan) -> bool:
@@ -156,8 +178,8 @@ def lower_collectives_pass(
     ``aten._to_copy``). Does nothing on a graph without markers.
     """
     kept = [n for n in gm.graph.nodes if is_kept(n)]
-    for node in kept:
-        _read_kept(gm.graph, node)
+    if kept:
+        _read_kept(gm.graph, kept)
     plan = plan_lowering(gm)
     if not plan:
         if kept:

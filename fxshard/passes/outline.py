@@ -349,8 +349,9 @@ def tag_body_inputs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> f
     """On a body's joint (one without unshards): recompute the views and
     casts of its inputs, so that its partition saves the inputs themselves,
     which ``reroute_saved_inputs`` hands to the outer graph's recomputed
-    unshards, rather than a transposed weight. Views cost nothing to
-    recompute. The outer joint (it has unshards) is left to ``tag_unshard``."""
+    reads (unshards, or ZeRO-1's kept copies), rather than a transposed
+    weight. Views cost nothing to recompute. The outer joint (it has the
+    read markers) is left to ``tag_unshard``."""
     graph = gm.graph
     if any(is_weight_read(n) for n in graph.nodes):
         return gm

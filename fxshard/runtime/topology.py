@@ -158,7 +158,7 @@ class Topology:
             checked.append(([self.replicas.group_name], _side_group(self.mesh.get_group(0), "check", columns, "gloo")))
         return checked
 
-    def agreement(self, what: str = "graphs") -> rank_checks.GraphAgreement | None:
+    def agreement(self) -> rank_checks.GraphAgreement | None:
         """What compares each graph's collectives across ranks before it first
         runs (see [Note: ranks agree on each graph]): over every rank of the
         mesh, replicas included, since their gradients are averaged together.
@@ -166,7 +166,7 @@ class Topology:
         if not self.world.moves_data:
             return None
         n = _COMPILES[self.world.name] = _COMPILES.get(self.world.name, -1) + 1
-        return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/{what}/{self.world.name}/{n}",
+        return rank_checks.GraphAgreement(compat.default_store(), f"fxshard/graphs/{self.world.name}/{n}",
                                           self.world.rank, self.world.size)  # fmt: skip
 
     def _shard_side_group(self, kind: str, backend: str | None = None) -> Any:
