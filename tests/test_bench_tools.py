@@ -212,18 +212,23 @@ def test_matrix_repeats_interleave_and_keep_the_median_run(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize(
-    "source, name", [("matrix.json", None), ("matrix-2gpu.json", "2gpu"), ("matrix-4xh200.json", "4xh200")]
+    "doc, source, name",
+    [
+        ("README.md", "matrix-4xh200.json", "4xh200"),
+        ("docs/performance.md", "matrix.json", None),
+        ("docs/performance.md", "matrix-2gpu.json", "2gpu"),
+    ],
 )
-def test_readme_table_is_the_one_generated_from_the_results(source, name):
+def test_tables_are_the_ones_generated_from_the_results(doc, source, name):
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "bench" / "results" / source).read_text())
-    readme = (root / "README.md").read_text()
+    text = (root / doc).read_text()
     key = f"bench-table:{name}" if name else "bench-table"
-    table = readme.split(f"<!-- {key}:start -->", 1)[1].split(f"<!-- {key}:end -->", 1)[0]
+    table = text.split(f"<!-- {key}:start -->", 1)[1].split(f"<!-- {key}:end -->", 1)[0]
     flag = f" --table-name {name}" if name else ""
     assert matrix.markdown(data) in table, (
-        f"README.md's benchmark table is not bench/results/{source}'s; regenerate it: "
-        f"python bench/matrix.py --table bench/results/{source} --readme README.md{flag}"
+        f"{doc}'s benchmark table is not bench/results/{source}'s; regenerate it: "
+        f"python bench/matrix.py --table bench/results/{source} --readme {doc}{flag}"
     )
 
 
@@ -248,3 +253,8 @@ def test_merged_runs_keep_each_rows_commit_and_baseline(tmp_path):
     assert two.startswith("| two (ccccccc) |") and "| - | - |" in two
     assert three.startswith("| three (ddddddd vs eeeeeee) |")
     assert data["meta"]["commit"] == "aaaaaaa, ccccccc, ddddddd" and len(data["meta"]["merged"]) == 3
+
+    # Row "two" measured again, at another commit: its new figures, in its place.
+    again = matrix.merge([str(tmp_path / "m.json"), run("f" * 40, None, "two", "4.json")])
+    assert [r["row"]["name"] for r in again["rows"]] == ["one", "two"]
+    assert matrix.markdown(again).splitlines()[-1].startswith("| two (fffffff) |")
