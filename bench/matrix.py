@@ -12,8 +12,10 @@ Each row is one model, batch, optimizer and strategy (``ROWS``). For each row,
 each system runs in its own ``torchrun`` process (bench/bench.py
 ``--only-system``), one after the other:
 - ``fsdp2_compile``: FSDP2 with each block compiled, the same strategy and optimizer;
-- ``fxshard``: this tree (a CUDA-graph row: ``fxshard_capturable``, the same step uncaptured,
-  and ``fxshard_graph``, captured);
+- ``fxshard``: this tree (a CUDA-graph row: ``fxshard``, the step uncaptured, and
+  ``fxshard_graph_none``, the same step captured, ``zero_grad()`` inside it as
+  docs/cuda-graphs.md recommends; rows of older runs hold ``fxshard_capturable``
+  and ``fxshard_graph``, whose steps zero gradients with ``set_to_none=False``);
 - ``fxshard@REF``: fxshard at ``--baseline`` (a git ref, or a folder holding its
   ``fxshard/``), on this tree's models, data and step code, so that a
   regression shows up as a number.
@@ -68,7 +70,14 @@ class Row:
 
     def systems(self) -> list[str]:
         """This tree's systems, FSDP2's first (the baseline commit's are added by ``run_row``)."""
-        return ["fsdp2_compile", "fxshard_capturable", "fxshard_graph"] if self.graph else ["fsdp2_compile", "fxshard"]
+        return ["fsdp2_compile", "fxshard", "fxshard_graph_none"] if self.graph else ["fsdp2_compile", "fxshard"]
+
+
+def graph_keys(results: dict) -> tuple[str, str]:
+    """A CUDA-graph row's (captured, uncaptured) systems: this tree's, or an older run's."""
+    if "fxshard_graph" in results or "fxshard_capturable" in results:
+        return "fxshard_graph", "fxshard_capturable"
+    return "fxshard_graph_none", "fxshard"
 
 
 ROWS = [
@@ -213,13 +222,14 @@ def verdict(row: dict) -> tuple[list[str], list[str]]:
     """The ratios of fxshard's result against FSDP2 + compile (and, for a
     CUDA-graph row, against the same step uncaptured), and the targets missed."""
     r, spec = row["results"], row["row"]
-    ours = r.get("fxshard_graph" if spec["graph"] else "fxshard")
+    captured, uncaptured = graph_keys(r) if spec["graph"] else ("fxshard", None)
+    ours = r.get(captured)
     fsdp2 = r.get("fsdp2_compile")
     shown, missed = [], []
     target = TARGETS["moe_time"] if spec["model"].startswith("moe") else TARGETS["time"]
     checks = [("time", ratio(ours, fsdp2, "step_ms"), target), ("memory", ratio(ours, fsdp2, "peak_gib"), 1.0)]
     if spec["graph"]:
-        plain = r.get("fxshard_capturable")
+        plain = r.get(uncaptured)
         checks += [("time vs uncaptured", ratio(ours, plain, "step_ms"), TARGETS["graph_time"]),
                    ("reserved vs uncaptured", ratio(ours, plain, "peak_reserved_gib"), TARGETS["graph_reserved"])]  # fmt: skip
     for name, value, limit in checks:
@@ -275,15 +285,15 @@ def markdown(data: dict) -> str:
         if "skipped" in row:
             lines.append(f"| {spec['name']} | skipped: {row['skipped']} | | | | | | |")
             continue
-        ours_key = "fxshard_graph" if spec["graph"] else "fxshard"
+        ours_key, uncaptured = graph_keys(r) if spec["graph"] else ("fxshard", None)
         ours = r.get(ours_key)
         first = ((row["baseline"] if "baseline" in row else meta.get("baseline")) or "")[:7]
         base = r.get(f"{ours_key}@{first}")
         # Merged runs: each row says which commits it compared.
         against = f" vs {first}" if base else ""
         name = f"{spec['name']} ({row['commit'][:7]}{against})" if meta.get("merged") else spec["name"]
-        if spec["graph"] and r.get("fxshard_capturable"):
-            ours_cell = f"{cell(ours)} (uncaptured {cell(r['fxshard_capturable'])})"
+        if uncaptured and r.get(uncaptured):
+            ours_cell = f"{cell(ours)} (uncaptured {cell(r[uncaptured])})"
         else:
             ours_cell = cell(ours)
         vs_base = ratio(ours, base, "step_ms")

@@ -169,15 +169,23 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
             dict(row=vars(matrix.Row("g", "375m", 1, graph=True)), results={
                 "fsdp2_compile": _result(100.0, 4.0), "fxshard_capturable": _result(60.0, 3.8, 5.0),
                 "fxshard_graph": _result(20.0, 3.8, 6.0)}),
+            # This tree's graph rows: the recommended step (zero_grad() inside), against it uncaptured.
+            dict(row=vars(matrix.Row("g2", "375m", 1, graph=True)), results={
+                "fsdp2_compile": _result(100.0, 4.0), "fxshard": _result(60.0, 3.8, 5.0),
+                "fxshard_graph_none": _result(30.0, 3.7, 5.1)}),
             dict(row=vars(matrix.Row("hsdp", "1b", 4, mesh="2,2", gpus=4)), results={}, skipped="needs 4 GPUs"),
         ],
     )  # fmt: skip
     lines = matrix.markdown(data).splitlines()
-    dense, moe, graph, hsdp = lines[-4:]
+    dense, moe, graph, graph_none, hsdp = lines[-5:]
     assert "time 0.80x, memory 0.97x" in dense and "| 0.67x |" in dense and dense.endswith("| none |")
     assert "| 120.0 ms, 3.90 / 3.90 GiB; ccccccc: 90.0 ms, 3.90 / 3.90 GiB |" in dense  # a second baseline, named
     assert "time 0.800x > 0.6x" in moe and "memory 1.100x > 1.0" in moe
     assert "reserved vs uncaptured 1.200x > 1.05x" in graph and "time vs uncaptured 0.33x" in graph
+    assert (
+        "(uncaptured 60.0 ms" in graph_none and "time vs uncaptured 0.50x, reserved vs uncaptured 1.02x" in graph_none
+    )
+    assert matrix.Row("g", "375m", 1, graph=True).systems() == ["fsdp2_compile", "fxshard", "fxshard_graph_none"]
     assert "skipped: needs 4 GPUs" in hsdp
     (tmp_path / "m.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
