@@ -27,12 +27,21 @@ def _files_matching(pattern: str) -> set[str]:
 
 
 def test_only_the_topology_reads_the_mesh():
-    """See [Note: topology]. ``module.shards.local_rows`` reads a DTensor
-    parameter's own spec, and compat wraps the private flatten."""
-    readers = _files_matching(r"\bnew_group\(|\.get_group\(|\.get_local_rank\(|\.mesh_dim_names|\._flatten\b")
-    allowed = {"runtime/topology.py", "runtime/compat", "module/shards.py"}
+    """See [Note: topology]; compat wraps the private flatten."""
+    readers = _files_matching(
+        r"\bnew_group\(|\.get_group\(|\.get_local_rank\(|\.mesh_dim_names|\._flatten\b|mesh\.size\("
+    )
+    allowed = {"runtime/topology.py", "runtime/compat"}
     assert readers <= allowed, f"read the mesh through fxshard.runtime.topology: {sorted(readers - allowed)}"
     assert "runtime/topology.py" in readers
+
+
+def test_a_ranks_rows_come_from_the_topology():
+    """See [Note: topology]: ``Topology.rows`` answers which rows a rank
+    holds; only ops that get a group's size and rank as plain ints ask
+    ``shard_range`` themselves."""
+    askers = _files_matching(r"\bshard_range\(")
+    assert askers == {"runtime/collectives.py", "runtime/topology.py", "runtime/embedding.py"}, sorted(askers)
 
 
 def test_process_wide_effects_have_one_home():

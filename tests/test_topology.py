@@ -36,6 +36,8 @@ def test_hsdp_mesh_names_each_group_once(fake_world):
     assert (topology.world.size, topology.world.rank) == (8, 5)
     assert topology.placements(sharded=True) == [Replicate(), Shard(0)]
     assert topology.placements(sharded=False) == [Replicate(), Replicate()]
+    assert topology.rows(10) == slice(3, 6) and topology.rows(10, sharded=False) == slice(0, 10)
+    assert topology.rows(2) == slice(1, 2) and topology.rows(1) == slice(1, 1)  # uneven: a rank may hold none
     assert not topology.shard.moves_data and topology.agreement() is None  # the fake group moves nothing
     # Side groups: one per mesh group and kind, whatever the number of topologies read from it.
     again = Topology.from_mesh(mesh)

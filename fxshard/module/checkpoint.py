@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.module.shards import rows_of
+from fxshard.module.shards import ShardParameter, rows_of
 
 _SHARD = "fxshard_shard"  # state dict metadata: (shard rank, shard count) it was taken on
 
@@ -77,7 +77,7 @@ def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: st
     for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
-        if not isinstance(param, DTensor) or not _is_full(value, param):
+        if not isinstance(param, ShardParameter) or not _is_full(value, param):
             continue
         if assign:
             raise NotImplementedError(

@@ -26,6 +26,7 @@ from fxshard.module.shards import shard_parameter, slot_backed, versions
 from fxshard.runtime import compat
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
 from fxshard.runtime.plans import ModelRuntime, Param
+from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import Units
 
 if TYPE_CHECKING:
@@ -44,14 +45,14 @@ class RootState:
     """How the root module's calls read parameters (see [Note: two ways to read])."""
 
     def __init__(self, shards: LocalShards, runtime: ModelRuntime, sequenced: bool, gathered: tuple[Param, ...],
-                 device: torch.device, fqns: dict[int, str]) -> None:  # fmt: skip
+                 topology: Topology, fqns: dict[int, str]) -> None:  # fmt: skip
         # What the model's graphs find by id (see [Note: one registry]); held here, with the model.
         self.runtime = runtime
         self.shards, self.sequencer, self.sequenced = shards, runtime.sequencer, sequenced
         # The plans that read markers name (see [Note: markers name the plan]).
         self.table, self.stored_table = runtime.table, runtime.stored
         self.gathered = gathered  # the parameters that graphs gather, for units (fxshard/runtime/units.py)
-        self.device = device
+        self.topology = topology  # the mesh the shards live on and are sharded over
         self.fqns = fqns  # id of each shard -> its parameter's name
         # id of a shard on the meta device -> (it, the shard that replaced it)
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
@@ -89,16 +90,17 @@ class RootState:
                 "mp_policy=fxshard.MixedPrecision(param_dtype=...)"
             )
         new, old = compat.local_tensor(applied), compat.local_tensor(param)
-        if new.device != self.device:
+        device = self.topology.device
+        if new.device != device:
             raise ValueError(
-                f"parameter {fqn!r} lives on this rank's mesh device {self.device}; fxshard cannot move it to "
+                f"parameter {fqn!r} lives on this rank's mesh device {device}; fxshard cannot move it to "
                 f"{new.device}. Move the model before fxshard.compile, or materialize it there with "
-                f"model.to_empty(device={str(self.device)!r})"
+                f"model.to_empty(device={str(device)!r})"
             )
         if old.is_meta:  # to_empty: memory, and no values yet
             made = self.materialized.get(id(param))
             if made is None or made[0]() is not param:
-                replacement = shard_parameter(slot_backed(applied), param.requires_grad)
+                replacement = shard_parameter(slot_backed(applied, self.topology), param.requires_grad, param.rows)
                 replacement.mark_empty()
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
                 retire(param, fqn)

@@ -1,4 +1,4 @@
-"""The shards a parameter becomes, and the rows of it a rank holds.
+"""The shards a parameter becomes, and a rank's rows moved between full values and shards.
 
 ``ShardParameter`` is the ``nn.Parameter`` that ``fxshard.compile`` registers
 in place of each parameter: this rank's rows of it as a DTensor, ``Shard(0)``
@@ -15,7 +15,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxshard.runtime import compat, process
-from fxshard.runtime.collectives import shard_range
 from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import in_slot
 
@@ -56,6 +55,9 @@ class ShardParameter(DTensor):
     operation is the DTensor's, and returns plain DTensors.
     """
 
+    # The rows of the full parameter that this rank holds (``Topology.rows``),
+    # given where the shard is made (``shard_parameter``).
+    rows: slice
     # The versions (the DTensor's, its local tensor's) when ``to_empty``
     # materialized it from the meta device; None otherwise.
     _empty_at: tuple[int, int] | None = None
@@ -84,6 +86,7 @@ class ShardParameter(DTensor):
         # drew the same rows) and ``p.data.copy_(full)`` takes a full tensor.
         alias = self.detach()
         alias.__class__ = ShardParameter
+        alias.rows = self.rows
         return alias
 
     @data.setter
@@ -194,30 +197,20 @@ class HeldShard:
         return self.module._parameters[self.attr].requires_grad
 
 
-def copy_rows(full: torch.Tensor, like: DTensor, into: torch.Tensor) -> None:
+def copy_rows(full: torch.Tensor, like: ShardParameter, into: torch.Tensor) -> None:
     """Copy this rank's rows of ``full`` (laid out as ``like``) into ``into``, in place."""
-    rows = full[slice(*local_rows(like))] if like.dim() else full
+    rows = full[like.rows] if like.dim() else full
     with torch.no_grad(), compat.disable_torch_function_subclass():
         into.copy_(rows)
 
 
-def rows_of(full: torch.Tensor, like: DTensor) -> DTensor:
+def rows_of(full: torch.Tensor, like: ShardParameter) -> DTensor:
     """This rank's rows of ``full`` (all of them, replicated), as a DTensor
     laid out like ``like``; a view of ``full`` where it can be."""
     with compat.disable_torch_function_subclass():
-        local = full.detach()[slice(*local_rows(like))] if full.dim() else full.detach()
+        local = full.detach()[like.rows] if full.dim() else full.detach()
     return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())  # fmt: skip
-
-
-def local_rows(param: DTensor) -> tuple[int, int]:
-    """The ``[start, end)`` rows of the full parameter that this rank holds:
-    its shard's, or all of them for a replicated parameter."""
-    sharded = [dim for dim, p in enumerate(param.placements) if p.is_shard()]
-    if not sharded:
-        return 0, param.shape[0]
-    mesh, (dim,) = param.device_mesh, sharded  # one sharded dimension: the last (HSDP's shard dim)
-    return shard_range(param.shape[0], mesh.size(dim), mesh.get_local_rank(dim))
 
 
 def dtensor_metas(params: tuple[DTensor, ...]) -> list:
@@ -241,37 +234,38 @@ def grad_dtensor(grad: torch.Tensor, spec: Any) -> DTensor:
                               stride=spec.stride)  # fmt: skip
 
 
-def shard_parameter(shard: DTensor, requires_grad: bool) -> ShardParameter:
-    """``shard`` as a ``ShardParameter``: an ``nn.Parameter`` to torch
-    (``isinstance(p, nn.Parameter)``), registered as modules hold parameters."""
+def shard_parameter(shard: DTensor, requires_grad: bool, rows: slice) -> ShardParameter:
+    """``shard``, which holds ``rows`` of its parameter, as a ``ShardParameter``:
+    an ``nn.Parameter`` to torch (``isinstance(p, nn.Parameter)``),
+    registered as modules hold parameters."""
     param = ShardParameter(compat.local_tensor(shard), compat.dtensor_spec(shard), requires_grad=requires_grad)
+    param.rows = rows
     compat.mark_parameter(param)
     return param
 
 
-def slot_backed(shard: DTensor) -> DTensor:
+def slot_backed(shard: DTensor, topology: Topology) -> DTensor:
     """A sharded DTensor whose local tensor starts a slot buffer of its own
     (``in_slot``, see Units.rehome); a replicated one as it is."""
-    dims = [i for i, p in enumerate(shard.placements) if p.is_shard()]
-    if not dims:
+    if not any(p.is_shard() for p in shard.placements):
         return shard
-    local = in_slot(compat.local_tensor(shard), shard.shape, shard.device_mesh.size(dims[0]))
+    local = in_slot(compat.local_tensor(shard), shard.shape, topology.shard.size)
     return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False, shape=shard.shape,
                               stride=shard.stride())  # fmt: skip
 
 
-def shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> DTensor:
+def shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> ShardParameter:
     """``full`` as this rank's DTensor on the mesh: replicated on every
     dimension but the shard dimension, where ``spec`` says."""
     # Shards are row-major whatever the parameter's strides (``nn.Parameter(w.t())``):
     # units, collectives and rows-of-a-full-value copies all assume it.
     full = full.detach().contiguous()
+    rows = topology.rows(spec.dim0, sharded=not spec.replicated)
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
         dt = DTensor.from_local(full, topology.mesh, topology.placements(sharded=False), run_check=False,
                                 shape=full.shape, stride=full.stride())  # fmt: skip
-        return shard_parameter(dt, spec.requires_grad)
-    start, end = shard_range(full.shape[0], topology.shard.size, topology.shard.rank)
-    local = in_slot(full[start:end], full.shape, topology.shard.size)  # see Units.rehome
+        return shard_parameter(dt, spec.requires_grad, rows)
+    local = in_slot(full[rows], full.shape, topology.shard.size)  # see Units.rehome
     dt = DTensor.from_local(local, topology.mesh, topology.placements(sharded=True), run_check=False,
                             shape=full.shape, stride=full.stride())  # fmt: skip
-    return shard_parameter(dt, spec.requires_grad)
+    return shard_parameter(dt, spec.requires_grad, rows)

@@ -36,7 +36,7 @@ from fxshard.module.structure import watch
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
-from fxshard.runtime.plans import ModelRuntime, Param, PlanTable, rows_held
+from fxshard.runtime.plans import ModelRuntime, Param, PlanTable
 from fxshard.runtime.sequencer import Sequencer
 from fxshard.runtime.topology import Topology
 
@@ -213,7 +213,7 @@ def shard_parameters(
         for mod, attr in mod_attrs:
             mod._parameters[attr] = shard
             per_module.setdefault(mod, {})[attr] = spec
-        rows = rows_held(spec, topology.shard.size, topology.shard.rank)
+        rows = shard.rows.stop - shard.rows.start
         params.append(Param(len(params), spec, rows, HeldShard(first_mod, first_attr)))
     per_module.setdefault(model, {})
     table = PlanTable(tuple(p.plan for p in params), tuple(p.local_rows for p in params), count_group_name)
@@ -225,7 +225,7 @@ def shard_parameters(
     shards = LocalShards(list(owners.values()), KeptParams(kept, bucket_bytes) if kept else None)
     # Units gather and reduce the shards that graphs gather, and reduce ZeRO-1's (see [Note: ZeRO-1]).
     gathered = tuple(p for p in params if not p.plan.replicated)
-    state = RootState(shards, model_runtime, sequenced, gathered, topology.device, fqns)
+    state = RootState(shards, model_runtime, sequenced, gathered, topology, fqns)
     watch_unsynced(state)
     for mod, attrs in per_module.items():
         props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)

@@ -66,8 +66,6 @@ from typing import Any, Protocol
 
 import torch
 
-from fxshard.runtime.collectives import shard_range
-
 
 class Placement(enum.Enum):
     SHARD = "Shard(0)"
@@ -195,15 +193,6 @@ class Param:
         return self.plan.device
 
 
-def rows_held(plan: ParamPlan, world_size: int, rank: int) -> int:
-    """How many rows of the full parameter ``rank`` holds: its shard's, or
-    all of them for a replicated parameter (see ``shard_range``)."""
-    if plan.replicated:
-        return plan.dim0
-    start, end = shard_range(plan.dim0, world_size, rank)
-    return end - start
-
-
 def placement_text(p: ParamPlan) -> str:
     return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
 
@@ -220,10 +209,10 @@ def _dtype(dtype: torch.dtype) -> str:
 
 class PlanTable:
     """One model's parameter plans as graphs name them (see the Note).
-    ``local_rows``: this rank's rows of each parameter (all of a replicated
-    one's; ``rows_held``); ``count_group_name``: the CPU group on which
-    sharded lookups compare token counts ("" for none). Its ``id`` is given
-    when a ``ModelRuntime`` names it."""
+    ``local_rows``: how many rows of each parameter this rank holds
+    (``Topology.rows``: all of a replicated one's); ``count_group_name``:
+    the CPU group on which sharded lookups compare token counts ("" for
+    none). Its ``id`` is given when a ``ModelRuntime`` names it."""
 
     def __init__(self, params: tuple[ParamPlan, ...], local_rows: tuple[int, ...], count_group_name: str = "") -> None:
         self.params, self.local_rows, self.count_group_name = params, local_rows, count_group_name

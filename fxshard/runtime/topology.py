@@ -8,7 +8,11 @@ mesh's dimensions, ranks or groups, or calls ``torch.distributed.new_group``;
 everything else takes the topology, or the plain names and sizes it gives:
 - ``shard``: the group parameters are sharded over, the mesh's last
   dimension (the mesh itself if 1-D). Gathers, reduce-scatters and the
-  sharded embedding exchange run on it.
+  sharded embedding exchange run on it. ``rows`` says which rows of a
+  parameter this rank holds on it: shards are cut, and full values written
+  into them, by that answer (a ``ShardParameter`` keeps its own). Ops that
+  get only a group's size and rank in their signature ask ``shard_range``,
+  which ``rows`` delegates to.
 - ``replicas``: HSDP's replicate dimension, the first of a 2-D (replicate,
   shard) mesh; None on a 1-D mesh or with one replica. Each reduced
   gradient is averaged across it (see [Note: HSDP]).
@@ -39,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from fxshard.runtime import compat, rank_checks
-from fxshard.runtime.collectives import Replicas
+from fxshard.runtime.collectives import Replicas, shard_range
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,14 @@ class Topology:
         dimension but the shard dimension, where it is sharded on dim 0 or whole."""
         outer: list[Placement] = [Replicate()] * (self.mesh.ndim - 1)
         return [*outer, Shard(0) if sharded else Replicate()]
+
+    def rows(self, dim0: int, sharded: bool = True) -> slice:
+        """The rows of a parameter's ``dim0`` rows that this rank holds: its
+        shard's on the shard group (``shard_range``; possibly none), or all
+        of them for a parameter that is not sharded."""
+        if not sharded:
+            return slice(0, dim0)
+        return slice(*shard_range(dim0, self.shard.size, self.shard.rank))
 
     def reduce_group(self) -> str:
         """The group the reduce-scatters run on: the shard group's ranks again,
