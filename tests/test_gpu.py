@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.checkpoint_checks import dcp_resume, two_rank_checks
 from tests.helpers.distributed import check_results, run_ranks
+from tests.helpers.param_checks import run_checks
 from tests.helpers.parity import SCENARIOS, Scenario, run_all
 
 pytestmark = [
@@ -62,8 +64,6 @@ def test_nccl_parity(group, check):
 
 # Parameters and checkpoints on NCCL: the same checks as on gloo, on each rank's GPU.
 def test_nccl_writes_meta_init_and_conversions():
-    from tests.test_params import run_checks
-
     names = ["writes", "optimizer_before_compile", "conversions", "meta_init_trains"]
     check_results(run_ranks(2, run_checks, names, timeout=600, backend="nccl"))
     check_results(run_ranks(1, run_checks, ["meta_init"], timeout=600, backend="nccl"))
@@ -72,8 +72,6 @@ def test_nccl_writes_meta_init_and_conversions():
 def test_nccl_checkpoint_round_trip(tmp_path):
     """torch.save and resume, full state dicts, the full export, and DCP saved
     at 2 GPUs and resumed at 1 under Inductor."""
-    from tests.test_checkpoint import dcp_resume, two_rank_checks
-
     path = str(tmp_path)
     results = run_ranks(2, two_rank_checks, path, timeout=600, backend="nccl")
     check_results(results)
