@@ -246,7 +246,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       2-D mesh with named dimensions, replicate first, is HSDP: parameters
       are sharded over the inner dimension (gathers and reduce-scatters stay
       inside it) and gradients are then averaged across the outer one (see
-      [Note: HSDP] in fxshard/runtime/collectives.py).
+      [Note: HSDP] in fxshard/runtime/collectives.py). Either may be a
+      slice of a larger mesh (``mesh["dp"]``), as FSDP2 takes one: each
+      slice is then a data-parallel group of its own, and every rank of the
+      job must call ``compile``.
     - ``zero_stage``: what stays sharded between uses (3 by default). The
       optimizer state and the gradients are sharded at every stage:
       3 (FSDP2 ``reshard_after_forward=True``, Megatron-FSDP

@@ -25,6 +25,8 @@ MULTI_RANK_CHECKS = ("sharded_lookups", "embedding_empty_shard")
 # and on the GPUs at 2 x 1.
 HSDP_CHECKS = ("hsdp", "hsdp_sequenced", "zero1_bf16_hsdp", "hsdp_no_sync_bf16", "hsdp_sync_each", "hsdp_zero2",
                "hsdp_zero2_no_sync", "hsdp_inductor")  # fmt: skip
+# A slice of a (dp, tp) mesh: 2 x 2 at 4 ranks, 1 x 2 at 2 (every data-parallel group one rank).
+SUBMESH_CHECKS = ("dp_submesh", "dp_submesh_zero1")
 
 
 # llama_tied_inductor (flat graphs under Inductor, 33 s on 2 cores) runs on the
@@ -54,7 +56,7 @@ WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero
 # of its layout checks run under [Note: full_cpu] and on the GPUs at 2.
 # ZeRO-2's HSDP averages are ZeRO-3's (hsdp), kept through backward: hsdp_zero2 runs under [Note: full_cpu].
 WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", "zero1_uneven", *HSDP_CHECKS[:3],
-               "hsdp_sync_each")  # fmt: skip
+               "hsdp_sync_each", *SUBMESH_CHECKS)  # fmt: skip
 # World sizes 1 and 3 run, by default, the checks whose layout changes most
 # there (empty and ragged shards, tied and direct reads); the unit schedules
 # and ZeRO-1 on the full model run at 2.
@@ -77,7 +79,8 @@ def _checks_for(world_size: int) -> list[str]:
     # world size 1 has nothing to compare. The lookup checks run at 2 and 4
     # (uneven rows at both, an empty shard at 4).
     checks = [c for c in LAYOUT_CHECKS if world_size == 4 or c not in MULTI_RANK_CHECKS]
-    return checks + (["routed_experts_differ"] if world_size > 1 else []) + list(HSDP_CHECKS if world_size == 4 else ())
+    four = (*HSDP_CHECKS, *SUBMESH_CHECKS) if world_size == 4 else ()
+    return checks + (["routed_experts_differ"] if world_size > 1 else []) + list(four)
 
 
 def _cases() -> list:

@@ -12,6 +12,7 @@ from fxshard.runtime import compat
 from fxshard.runtime.topology import Topology
 from tests.conftest import _reset
 from tests.helpers import models
+from tests.helpers.distributed import check_results, run_ranks
 
 
 @pytest.fixture
@@ -75,3 +76,29 @@ def test_the_plan_keeps_the_topology_it_was_built_on(fake_world):
     plan = model.fxshard_plan
     assert plan.mesh is mesh and plan.shard_mesh.size() == 2 == plan.topology.shard.size
     assert {(p.world_size, p.group_name, p.replicas) for p in plan.params} == {(2, plan.topology.shard.name, 2)}
+
+
+def test_a_slice_of_a_larger_mesh_needs_ranks_that_move_data(fake_world):
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match="fake process group cannot tell"):
+        Topology.from_mesh(mesh["dp"])
+
+
+def _slice_groups(rank: int, world_size: int) -> tuple:
+    topology = Topology.from_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"])
+    ranks = dist.get_process_group_ranks
+    (names, check), *_ = topology.check_groups()
+    return (topology.shard.size, topology.world.size, ranks(compat.resolve_group(topology.reduce_group())),
+            ranks(check), topology.rows(5))  # fmt: skip
+
+
+def test_a_slice_of_a_larger_mesh_makes_side_groups_beside_each_slice():
+    """mesh["dp"] of a (dp 2, tp 2) mesh: ranks 0 and 2 are one data-parallel
+    group, 1 and 3 another; each side group is made beside each slice's own."""
+    results = run_ranks(4, _slice_groups)
+    check_results(results)
+    for rank, (shard, world, reduce, check, rows) in enumerate(results):
+        mine = [rank % 2, rank % 2 + 2]
+        assert (shard, world, reduce, check) == (2, 2, mine, mine)
+        assert rows == (slice(0, 3) if rank < 2 else slice(3, 5))

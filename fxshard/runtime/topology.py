@@ -18,6 +18,11 @@ everything else takes the topology, or the plain names and sizes it gives:
   gradient is averaged across it (see [Note: HSDP]).
 - ``world``: every rank of the mesh. Ranks check that they hold the same
   model, and agree on each graph's collectives, over it.
+The mesh may be a slice of a larger one, ``mesh["dp"]`` of a (dp, tp) mesh,
+as FSDP2 takes it: each rank's slice holds only its own coordinate's ranks,
+so ``from_mesh`` gathers every rank's groups (one collective over all
+ranks, which every rank must enter, as it must enter ``new_group``) and
+checks that the slices split the world.
 - side groups over the shard group's ranks, made on first use and shared by
   every compile on the same mesh group (``reduce_group``, ``count_group``,
   ``check_groups``): a new NCCL communicator per compile would hold GPU
@@ -89,6 +94,11 @@ class Topology:
     replicas: Replicas | None
     world: Group
     _shard_mesh: DeviceMesh
+    # The ranks of every shard group and of every replicate group of the
+    # world, this rank's or not: ``new_group`` is collective over all ranks,
+    # so a side group beside this rank's is made beside every rank's.
+    _shard_groups: list[list[int]]
+    _replicate_groups: list[list[int]]
 
     @staticmethod
     def from_mesh(mesh: DeviceMesh) -> Topology:
@@ -99,12 +109,6 @@ class Topology:
             raise ValueError(
                 f"mesh must be 1-D (shard over it) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh "
                 f"{tuple(mesh.shape)}; pass the data-parallel submesh, e.g. mesh['dp'] or mesh['replicate', 'shard']"
-            )
-        if mesh.mesh.numel() != dist.get_world_size():
-            raise ValueError(
-                f"mesh covers {mesh.mesh.numel()} of the {dist.get_world_size()} ranks; fxshard makes its side "
-                "communicators with torch.distributed.new_group, which every rank must enter, so pass a mesh over "
-                "all ranks (a 2-D (replicate, shard) mesh for HSDP)"
             )
         if mesh.ndim == 2 and mesh.mesh_dim_names is None:
             raise ValueError(
@@ -119,7 +123,9 @@ class Topology:
         replicas = None
         if mesh.ndim == 2 and mesh.size(0) > 1:
             replicas = Replicas(mesh.size(0), mesh.get_group(0).group_name)
-        return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(compat.flat_mesh(mesh)), shard_mesh)
+        groups = _groups_of_every_rank(mesh)
+        return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(compat.flat_mesh(mesh)), shard_mesh,
+                        groups[-1], groups[0])  # fmt: skip
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -165,9 +171,8 @@ class Topology:
             return []
         checked = [([self.shard.name, self.reduce_group()], self._shard_side_group("check", backend="gloo"))]
         if self.replicas is not None:
-            # Each column of the mesh: this rank's replicate group's ranks.
-            columns = self.mesh.mesh.reshape(self.mesh.mesh.shape[0], -1).t().tolist()
-            checked.append(([self.replicas.group_name], _side_group(self.mesh.get_group(0), "check", columns, "gloo")))
+            replicate = _side_group(self.mesh.get_group(0), "check", self._replicate_groups, "gloo")
+            checked.append(([self.replicas.group_name], replicate))
         return checked
 
     def agreement(self) -> rank_checks.GraphAgreement | None:
@@ -182,9 +187,33 @@ class Topology:
                                           self.world.rank, self.world.size)  # fmt: skip
 
     def _shard_side_group(self, kind: str, backend: str | None = None) -> Any:
-        """The ``kind`` group over the ranks of this rank's shard group (a row of the mesh)."""
-        rows = self.mesh.mesh.reshape(-1, self.mesh.mesh.shape[-1]).tolist()
-        return _side_group(self.shard.pg, kind, rows, backend)
+        """The ``kind`` group over the ranks of this rank's shard group."""
+        return _side_group(self.shard.pg, kind, self._shard_groups, backend)
+
+
+def _groups_of_every_rank(mesh: DeviceMesh) -> list[list[list[int]]]:
+    """Per dimension of ``mesh``, the ranks of each of its groups across the
+    world. A mesh over every rank lists them itself. A submesh (``mesh["dp"]``
+    of a (dp, tp) mesh) holds only this rank's coordinate: every rank then
+    sends its own groups' ranks, and they must split the world, each rank in
+    one group per dimension (see [Note: topology])."""
+    world = dist.get_world_size()
+    if mesh.mesh.numel() == world:
+        return [mesh.mesh.movedim(dim, -1).reshape(-1, mesh.size(dim)).tolist() for dim in range(mesh.ndim)]
+    if compat.group_backend(mesh.get_group(0).group_name) == "fake":
+        raise ValueError(f"mesh covers {mesh.mesh.numel()} of the {world} ranks, and the fake process group "
+                         "cannot tell which ranks the others' meshes hold: pass a mesh over all ranks")  # fmt: skip
+    mine = [dist.get_process_group_ranks(mesh.get_group(dim)) for dim in range(mesh.ndim)]
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (mesh.mesh.flatten().tolist(), mine))
+    covered = sorted(r for ranks in {tuple(m) for m, _ in every} for r in ranks)
+    if covered != list(range(world)):
+        raise ValueError(
+            f"the ranks' meshes must split the {world} ranks, each rank in one; they hold "
+            f"{sorted({tuple(m) for m, _ in every})}. Pass each rank its slice of one mesh over all ranks, "
+            "e.g. mesh['dp'] of init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+        )
+    return [[list(g) for g in sorted({tuple(groups[dim]) for _, groups in every})] for dim in range(mesh.ndim)]
 
 
 def _side_group(key: Any, kind: str, rank_lists: list[list[int]], backend: str | None) -> Any:

@@ -60,6 +60,10 @@ class Scenario:
     param_grad_floor: float | None = None
     # HSDP: a (replicas, world_size // replicas) mesh named ("replicate", "shard").
     replicas: int | None = None
+    # A (world_size // tp, tp) mesh named ("dp", "tp"), the model compiled on
+    # mesh["dp"], as FSDP2 takes a 2-D mesh's slice: each tp coordinate's
+    # ranks are a data-parallel group of their own (the model has no TP plan).
+    tp: int | None = None
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -411,6 +415,11 @@ SCENARIOS: dict[str, Scenario] = {
         no_sync=True,
         replicas=2,
     ),
+    # Side groups (the reduce communicator, ZeRO-1's kept copies) beside each slice's own group.
+    "dp_submesh": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003), tp=2),
+    "dp_submesh_zero1": Scenario(
+        **UNTIED, make_batch=_tokens, compile_kwargs=dict(backend="aot_eager", zero_stage=1), tp=2
+    ),
     "hsdp_one_replica": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", unit_mb=0.003), replicas=1),
     "uneven_units_prefetch1": Scenario(
         make_model=models.Uneven,
@@ -470,6 +479,14 @@ def hsdp_mesh(device: torch.device, world_size: int, replicas: int) -> DeviceMes
     return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
 
 
+def dp_mesh(device: torch.device, world_size: int, tp: int | None) -> DeviceMesh | None:
+    """``mesh["dp"]`` of a (dp, tp) mesh over every rank; None without ``tp``."""
+    if not tp:
+        return None
+    assert world_size % tp == 0, f"tp {tp} does not divide {world_size} ranks"
+    return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))["dp"]
+
+
 def _device(rank: int) -> torch.device:
     return torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -494,8 +511,11 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, mismatches: list
     if sc.prepare is not None:
         sc.prepare(model)
         sc.prepare(ref)
+    mesh = hsdp_mesh(device, world_size, sc.replicas) if sc.replicas else dp_mesh(device, world_size, sc.tp)
     fxshard.compile(model, **sc.compile_kwargs, **({"units": sc.units(model)} if sc.units else {}),
-                    **({"mesh": hsdp_mesh(device, world_size, sc.replicas)} if sc.replicas else {}))  # fmt: skip
+                    **({"mesh": mesh} if mesh is not None else {}))  # fmt: skip
+    # The ranks whose gradients this rank's are averaged with: its data-parallel group.
+    dp_ranks = [r for r in range(world_size) if r % (sc.tp or 1) == rank % (sc.tp or 1)]
     # eps=1e-6, not 1e-8: Adam's g / (|g| + eps) would turn fp32 reduction-order
     # noise on gradients near 1e-8 into update differences of ~1e-5 that grow
     # step by step; with 1e-6 they stay ~1e-7 and the fp32 tolerance holds.
@@ -516,8 +536,8 @@ def train_and_compare(rank: int, world_size: int, sc: Scenario, mismatches: list
             micro_loss = _step_loss(model, part, sc)
             micro_loss.backward()
             loss = loss + micro_loss.detach()
-        ref_losses = [_step_loss(ref, b, sc) for b in per_rank]
-        (sum(ref_losses) / world_size).backward()
+        ref_losses = {r: _step_loss(ref, per_rank[r], sc) for r in dp_ranks}
+        (sum(ref_losses.values()) / len(dp_ranks)).backward()
         close(loss.detach().float(), ref_losses[rank].detach().float(), f"step {step} loss", sc)
         for (name, p), q, m, mask in zip(model.named_parameters(), ref.parameters(), master, compared):
             if q.grad is None:
