@@ -102,3 +102,26 @@ def test_a_slice_of_a_larger_mesh_makes_side_groups_beside_each_slice():
         mine = [rank % 2, rank % 2 + 2]
         assert (shard, world, reduce, check) == (2, 2, mine, mine)
         assert rows == (slice(0, 3) if rank < 2 else slice(3, 5))
+
+
+def _hsdp_slice_groups(rank: int, world_size: int) -> tuple:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    topology = Topology.from_mesh(mesh["dp_replicate", "dp_shard"])
+    ranks = dist.get_process_group_ranks
+    (_, shard_check), (_, replicate_check) = topology.check_groups()
+    return (topology.replicas.size, ranks(topology.world.pg), ranks(compat.resolve_group(topology.reduce_group())),
+            ranks(shard_check), ranks(replicate_check))  # fmt: skip
+
+
+@pytest.mark.full_cpu  # 8 processes: the 2-D slice above covers the gathered groups by default
+def test_an_hsdp_slice_of_a_3d_mesh_makes_side_groups_beside_each_slice():
+    """mesh["dp_replicate", "dp_shard"] of a (2, 2, 2) mesh with tp last
+    (rank = 4 r + 2 s + t): each tp coordinate's four ranks are one HSDP
+    group; shard groups run along s, replicate groups along r."""
+    results = run_ranks(8, _hsdp_slice_groups)
+    check_results(results)
+    for rank, (replicas, world, reduce, shard_check, replicate_check) in enumerate(results):
+        r, s, t = rank // 4, rank // 2 % 2, rank % 2
+        shard = [4 * r + t, 4 * r + 2 + t]
+        assert (replicas, world, reduce, shard_check) == (2, [t, 2 + t, 4 + t, 6 + t], shard, shard)
+        assert replicate_check == [2 * s + t, 4 + 2 * s + t]
