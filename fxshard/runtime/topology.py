@@ -18,15 +18,15 @@ everything else takes the topology, or the plain names and sizes it gives:
   gradient is averaged across it (see [Note: HSDP]).
 - ``world``: every rank of the mesh. Ranks check that they hold the same
   model, and agree on each graph's collectives, over it.
+- side groups over the shard group's ranks, made on first use and shared by
+  every compile on the same mesh group (``reduce_group``, ``count_group``,
+  ``check_groups``): a new NCCL communicator per compile would hold GPU
+  memory for the life of the process.
 The mesh may be a slice of a larger one, ``mesh["dp"]`` of a (dp, tp) mesh,
 as FSDP2 takes it: each rank's slice holds only its own coordinate's ranks,
 so ``from_mesh`` gathers every rank's groups (one collective over all
 ranks, which every rank must enter, as it must enter ``new_group``) and
 checks that the slices split the world.
-- side groups over the shard group's ranks, made on first use and shared by
-  every compile on the same mesh group (``reduce_group``, ``count_group``,
-  ``check_groups``): a new NCCL communicator per compile would hold GPU
-  memory for the life of the process.
 The passes and the runtime's collectives take group names and sizes, plain
 values, not this object: they are traced into graphs and compared across
 ranks as text.
