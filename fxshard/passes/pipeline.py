@@ -359,9 +359,12 @@ class FXShardBackend:
 # with gathers in flight beside compute, a 3-layer Transformer with
 # activation checkpointing aborted intermittently with "malloc(): unaligned
 # tcache chunk detected" or a segfault at 2 ranks, under Inductor and
-# aot_eager, and not with prefetch=0. gloo's coalesced all-gather
-# corrupted the heap the same way (compat.all_gather_coalesced_async). The
-# writer is in gloo or torch, not found; NCCL keeps the prefetch.
+# aot_eager, and not with prefetch=0. gloo's coalesced all-gather corrupts
+# the heap the same way in plain torch, when two of a group's worker
+# threads run collectives at once (compat.all_gather_coalesced_async).
+# The prefetch aborts no longer reproduce, so their cause is not shown to
+# be the same; docs/notes/gloo-heap/ has the reproducer and the evidence.
+# NCCL keeps the prefetch.
 
 
 def _estimates_file(cache_key: str, captured: fx.GraphModule, example_inputs: Sequence[Any]) -> str:

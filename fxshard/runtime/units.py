@@ -313,7 +313,7 @@ class Units:
 
     def _on_nccl(self, name: str) -> bool:
         """NCCL coalesces a unit's all-gathers and averages inside the
-        reduce-scatter; gloo's coalesced all-gather corrupted the heap, and
+        reduce-scatter; gloo's coalesced all-gather corrupts the heap, and
         its AVG returns garbage (see ``compat.all_gather_coalesced_async``)."""
         if name not in self._nccl:
             self._nccl[name] = compat.group_backend(name) == "nccl"

@@ -87,9 +87,9 @@ def all_gather_coalesced_async(outs: list[torch.Tensor], inps: list[torch.Tensor
     (``world_size`` times as large); returns one Work for all. With
     ``coalesce`` (NCCL) it is one coalesced collective, one group launch
     (``ProcessGroup`` has had ``allgather_into_tensor_coalesced`` since torch
-    2.1). Without, one all-gather each: gloo's coalesced all-gather corrupted
-    the heap here, intermittently (torch 2.13, two ranks, several in flight),
-    and one all-gather each did not."""
+    2.1). Without, one all-gather each: gloo's coalesced all-gather corrupts
+    the heap in plain torch (2.13) when two of the group's worker threads run
+    one at once, and one all-gather each did not (docs/notes/gloo-heap/)."""
     if coalesce:
         return group.allgather_into_tensor_coalesced(outs, inps)
     return _AllWork([all_gather_async(o, i, group) for o, i in zip(outs, inps)])
