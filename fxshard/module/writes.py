@@ -110,10 +110,16 @@ class GatheredParameter(torch.Tensor):
         if func in _LINKED and isinstance(args[0], GatheredParameter) and args[0]._fxshard_link is not None:
             return args[0]._fxshard_link.forward(func, args[1:], kwargs)
         if func in _REQUIRES_GRAD and isinstance(args[0], GatheredParameter):
+            owner = args[0]._fxshard_sink.__self__
+            if isinstance(owner, ParameterLink):
+                # A gradient's value: a leaf in PyTorch, whose flag is its own
+                # (a hand-written zero_grad calls grad.requires_grad_(False)).
+                with compat.disable_torch_function_subclass():
+                    return func(*args, **kwargs)
             # Freezing the value read is freezing the parameter, as in PyTorch
             # (the value itself is not a leaf).
             flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-            args[0]._fxshard_sink.__self__.requires_grad_(flag)
+            owner.requires_grad_(flag)
             return args[0] if func is torch.Tensor.requires_grad_ else None
         seen = [a for a in _tensor_args(args, kwargs) if isinstance(a, GatheredParameter)]
         for a in seen:

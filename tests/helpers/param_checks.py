@@ -307,6 +307,10 @@ def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 
         module, attr = name.split(".")
         got = getattr(model[int(module)], attr).grad
         torch.testing.assert_close(got, getattr(ref[int(module)], attr).grad, msg=f"{name}.grad read")
+    # A hand-written zero_grad's first line: the gradient's own flag, the parameter's untouched.
+    for m in (model, ref):
+        assert m[2].weight.grad.requires_grad_(False).requires_grad is False
+        assert m[2].weight.requires_grad
     held = model[2].weight.grad
     with torch.no_grad():
         for m in (model, ref):
