@@ -242,10 +242,11 @@ def verdict(row: dict) -> tuple[list[str], list[str]]:
 
 
 def merge(paths: list[str]) -> dict:
-    """Several matrix runs (device calls) as one: their rows in order, each
-    with its run's commit and date; the meta of the first, with every commit.
-    A row that a later run measured again takes that run's figures, in the
-    earlier row's place: the table shows each row's latest measurement."""
+    """Several matrix runs (device calls) as one: their rows in the order of
+    ``ROWS`` (rows it does not name after them, as they came), each with its
+    run's commit and date; the meta of the first, with every commit. A row
+    that a later run measured again takes that run's figures: the table shows
+    each row's latest measurement."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     # A row keeps what it already carries (a merged file's rows ran at several commits).
     latest = {
@@ -254,7 +255,8 @@ def merge(paths: list[str]) -> dict:
         for run in runs
         for row in run["rows"]
     }  # fmt: skip
-    rows = list(latest.values())
+    order = {row.name: i for i, row in enumerate(ROWS)}
+    rows = sorted(latest.values(), key=lambda row: order.get(row["row"]["name"], len(ROWS)))  # stable
     for run in runs[1:]:
         for key in ("device", "gpus", "torch", "nccl"):
             if run["meta"].get(key) != runs[0]["meta"].get(key):

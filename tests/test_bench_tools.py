@@ -266,3 +266,7 @@ def test_merged_runs_keep_each_rows_commit_and_baseline(tmp_path):
     again = matrix.merge([str(tmp_path / "m.json"), run("f" * 40, None, "two", "4.json")])
     assert [r["row"]["name"] for r in again["rows"]] == ["one", "two"]
     assert matrix.markdown(again).splitlines()[-1].startswith("| two (fffffff) |")
+
+    # Rows the matrix names come in its order, whatever order the runs measured them in.
+    late = matrix.merge([run("a" * 40, None, "1b b4 graph", "5.json"), run("a" * 40, None, "8b b1", "6.json")])
+    assert [r["row"]["name"] for r in late["rows"]] == ["8b b1", "1b b4 graph"]
