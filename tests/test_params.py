@@ -26,6 +26,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "writes_zero1",
         "held_values",
         "held_values_zero1",
+        "storage_swaps",
         "freeze_through_attribute",
         "zero1_fused_step",
         "grads_through_attribute",

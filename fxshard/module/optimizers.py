@@ -4,10 +4,10 @@ Optimizers are built after ``fxshard.compile``, so fxshard cannot hook one;
 it uses torch's process-wide step hooks instead, each held by the objects
 that need it (see [Note: process-wide effects] in fxshard/runtime/process.py).
 After every step, the step count of each shard an optimizer holds moves
-(read by gathered values and ZeRO-1's copies to see a change that fused
-optimizers make without bumping versions); before every step, a check that
-the optimizer holds no parameter replaced by compile and that no gradient
-waits unreduced.
+(part of a shard's ``written`` key: foreach and fused steps move no version
+counter of a DTensor, see [Note: has it changed] in shards.py); before every
+step, a check that the optimizer holds no parameter replaced by compile and
+that no gradient waits unreduced.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from fxshard.runtime.process import HeldHook
 
 def count_optimizer_steps(holder: object) -> None:
     """Count, from now on and while ``holder`` lives, the optimizer steps of
-    every shard (``ShardParameter.optimizer_steps``): fused optimizers write
-    shards without bumping any version counter, so a change of the shard is
-    its version or this count."""
+    every shard (``ShardParameter.optimizer_steps``, part of its ``written``
+    key): foreach and fused steps write shards without moving any version
+    counter."""
     _STEP_COUNT.hold(holder)
 
 

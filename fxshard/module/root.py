@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.module.optimizers import retire
 from fxshard.module.reads import LocalShards
-from fxshard.module.shards import shard_parameter, slot_backed, versions
+from fxshard.module.shards import shard_parameter, slot_backed, written
 from fxshard.runtime import compat
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
 from fxshard.runtime.plans import ModelRuntime, Param
@@ -144,10 +144,10 @@ class RootState:
         return bool(self.store.grads) or self.sequencer.pending()
 
     def _grads_now(self) -> tuple:
-        # See [Note: has it changed]. By id, holding no gradient alive: zero_grad sets None or
+        # See [Note: has it changed]. Holding no gradient alive: zero_grad sets None or
         # writes in place, both seen.
         grads = [p.grad for p in self.shards.parameters()]
-        return tuple(None if g is None else (id(g), versions(g)) for g in grads)
+        return tuple(None if g is None else written(g) for g in grads)
 
     def _note_kept(self) -> None:
         self._kept_grads = self._grads_now()

@@ -23,26 +23,61 @@ if TYPE_CHECKING:
     from fxshard.plan import ParamPlan
 
 
-def versions(tensor: DTensor) -> tuple[int, int]:
-    """What an in-place write to a DTensor moves.
+def written(tensor: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """A key of the state of ``tensor``'s values: a write to them, by any
+    path fxshard knows, gives a different key.
 
     [Note: has it changed]
-    Five places ask whether a shard or its gradient changed since a moment:
-    ZeRO-1's copies (gather again), a held ``module.weight`` or
-    ``module.weight.grad`` (stale: ``writes.Source``, ``writes.GradSource``),
-    the gradients kept without sync (reset by ``zero_grad``:
-    ``RootState.check_kept``), and a shard still empty after ``to_empty``
-    (``ShardParameter.uninitialized``). Each compares these two counters:
-    DTensor's in-place ops bump the DTensor's own, and writes through
-    ``to_local()`` or ``.data`` bump its local tensor's, never both. Each
-    adds what its question needs: the local tensor's identity, where a new
-    local tensor is a change (``.data =`` on a plain DTensor) or, for a held
-    value, the same values moved to a unit's slot (not a change); the
-    shard's count of optimizer steps, where a fused optimizer writes without
-    moving either counter; and the tensor's own identity where the holder
-    does not keep the tensor alive. A tensor kept alive is compared by
-    identity (``is``), never by ``==`` (elementwise, on tensors)."""
-    return tensor._version, compat.local_tensor(tensor)._version
+    Every "has this tensor changed since then" question on the module side
+    compares two ``written`` keys, one taken then and one now:
+    - ZeRO-1's copies: gather again (``KeptParams.refresh``);
+    - a held ``module.weight`` or ``module.weight.grad``: stale
+      (``writes.Source``, ``writes.GradSource``);
+    - the gradients kept without sync: reset by ``zero_grad``
+      (``RootState.check_kept``);
+    - a shard still empty after ``to_empty`` (``ShardParameter.uninitialized``);
+    - a gathered value, around each function run on it: written, so its rows
+      go to the shard (``GatheredParameter.__torch_function__``).
+    Each part of the key is there for writes that move none of the others:
+    - the tensor's id: a holder that looks the tensor up again (``p.grad``,
+      the model's parameters) may find another (``.grad`` set anew, a shard
+      replaced by ``to_empty``);
+    - the address of the local tensor's storage (a plain tensor's own):
+      ``.data =`` on a gathered value or on a gradient's local tensor
+      (``p.grad.to_local()``) gives the values other memory and moves no
+      version; so does moving a shard into its unit's slot
+      (``HeldShard.rehome``). The storage's, not ``data_ptr()``: an in-place
+      view op (``as_strided_``) moves a tensor within its storage, which is a
+      write to the tensor (its version moves), not new values;
+    - the DTensor's version: its in-place ops (``p.mul_``) move it, not the
+      local tensor's;
+    - the local tensor's version: writes through ``to_local()``, ``.data``
+      or to this rank's rows (``copy_rows``) move it, not the DTensor's;
+    - a shard's count of optimizer steps: torch's foreach and fused steps
+      (the default on GPUs) move no version of a DTensor. A hook counts them
+      while something that compares keys of shards lives
+      (``count_optimizer_steps``: ZeRO-1's copies, each held value).
+    The key is ints, so keys compare with ``==``; a tensor in it would compare
+    elementwise. An id or an address can come back once its tensor is freed;
+    where a tensor may be freed and another made between the two keys (a
+    gathered gradient held across ``zero_grad`` and a backward), the holder
+    also keeps a weak reference and compares it with ``is``.
+
+    One change of key is not a write: a shard moved into its unit's slot at
+    the first call (``Units.rehome``) holds the same values in other memory.
+    The shard records the keys around its move (``ShardParameter.moved``), so
+    a held value read before it stays current (``unwritten_since``) unless
+    something else changed too, an optimizer step, say. ZeRO-1's copies are
+    gathered again after a move, as after any change of key: a shard moves
+    at most once, after the first call."""
+    if isinstance(tensor, ShardParameter):  # first: ZeRO-1 asks this of every shard at every call
+        local, steps = compat.local_tensor_getter(tensor), tensor.optimizer_steps
+    else:
+        local, steps = compat.local_tensor_getter(tensor) if isinstance(tensor, DTensor) else tensor, 0
+    return id(tensor), local.untyped_storage().data_ptr(), tensor._version, local._version, steps
+
+
+STORAGE = 1  # the place of the storage address in a ``written`` key
 
 
 class ShardParameter(DTensor):
@@ -58,23 +93,29 @@ class ShardParameter(DTensor):
     # The rows of the full parameter that this rank holds (``Topology.rows``),
     # given where the shard is made (``shard_parameter``).
     rows: slice
-    # The versions (the DTensor's, its local tensor's) when ``to_empty``
-    # materialized it from the meta device; None otherwise.
-    _empty_at: tuple[int, int] | None = None
+    # Its ``written`` key when ``to_empty`` materialized it from the meta
+    # device; None otherwise.
+    _empty_at: tuple | None = None
+    # Its ``written`` keys before and after its last move to other memory with
+    # the same values (``HeldShard.rehome``); None if it never moved.
+    moved: tuple[tuple, tuple] | None = None
     optimizer_steps: int = 0  # steps of optimizers holding it, once counted (count_optimizer_steps)
 
     @property
     def uninitialized(self) -> bool:
-        """Materialized from the meta device and not written since, by any
-        path that moves a version (see [Note: writes to gathered
-        parameters]): reading it gathers nothing."""
-        return self._empty_at is not None and self._empty_at == self._versions()
+        """Materialized from the meta device and not written since (see
+        [Note: has it changed]): reading it gathers nothing."""
+        return self._empty_at is not None and self.unwritten_since(self._empty_at)
 
     def mark_empty(self) -> None:
-        self._empty_at = self._versions()
+        self._empty_at = written(self)
 
-    def _versions(self) -> tuple[int, int]:
-        return versions(self)
+    def unwritten_since(self, key: tuple) -> bool:
+        """Whether no write reached the shard since ``written(self)`` was
+        ``key``: the key is the same, or only a move changed it (see [Note:
+        has it changed])."""
+        now = written(self)
+        return now == key or self.moved == (key, now)
 
     @property
     def data(self) -> torch.Tensor:
@@ -184,7 +225,13 @@ class HeldShard:
         return compat.local_tensor(self.module._parameters[self.attr])
 
     def rehome(self, tensor: torch.Tensor) -> None:
-        compat.replace_local_tensor(self.module._parameters[self.attr], tensor)
+        """Hold ``tensor``, a copy of the local shard in other memory: a move,
+        no write (see [Note: has it changed])."""
+        param = self.module._parameters[self.attr]
+        before = written(param)
+        compat.replace_local_tensor(param, tensor)
+        if isinstance(param, ShardParameter):
+            param.moved = (before, written(param))
 
     def add_grad(self, grad: torch.Tensor) -> None:
         param = self.module._parameters[self.attr]

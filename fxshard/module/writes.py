@@ -20,11 +20,11 @@ A value held across a change of its parameter (``w = module.weight``, then
 an optimizer step, or a write to the shard by other means) is a stale copy,
 where plain PyTorch's would be the parameter itself: read, it would give the
 old values, and written, it would put them back over the change. So each
-value knows the shard it came from and that shard's state at the read
-(``Source``: the local tensor's version, and the steps of optimizers holding
-it, since fused optimizers write without bumping versions); any use once
-either moved raises, naming the fix: read ``module.weight`` again. A write
-through the value (or an alias of it) moves the state itself and renews it.
+value knows the shard it came from and that shard's ``written`` key at
+the read (``Source``; see [Note: has it changed] in shards.py: it moves with
+an optimizer step too, which may move no version counter); any use once it
+moved raises, naming the fix: read ``module.weight`` again. A write through
+the value (or an alias of it) moves the key itself and renews it.
 A CUDA-graph replay steps the optimizer without any hook: values held across
 replays are not checked.
 
@@ -60,7 +60,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fxshard.module.optimizers import count_optimizer_steps
-from fxshard.module.shards import ShardParameter, copy_rows, rows_of, versions
+from fxshard.module.shards import STORAGE, ShardParameter, copy_rows, rows_of, written
 from fxshard.runtime import compat
 
 Sink = Callable[[torch.Tensor], None]  # writes a gathered value's rows into the shard
@@ -73,17 +73,10 @@ class Source:
     def __init__(self, param: ShardParameter, fqn: str) -> None:
         count_optimizer_steps(param)
         self.param, self.fqn = param, fqn
-        self.state = self._now()
-
-    def _now(self) -> tuple:
-        # See [Note: has it changed]; a new local tensor is the same values moved (see check).
-        return id(compat.local_tensor(self.param)), versions(self.param), self.param.optimizer_steps
+        self.state = written(param)  # see [Note: has it changed]
 
     def check(self) -> None:
-        now = self._now()
-        if now[0] != self.state[0]:  # the shard moved to other memory, same values (units' slots)
-            self.state = now
-        elif now != self.state:
+        if not self.param.unwritten_since(self.state):
             raise ValueError(
                 f"this full value of {self.fqn!r} was read (module.{self.fqn.rpartition('.')[2]}) before the "
                 "parameter changed (an optimizer step, or a write to it); fxshard gathers a copy on each read, "
@@ -92,7 +85,7 @@ class Source:
             )
 
     def renew(self) -> None:
-        self.state = self._now()
+        self.state = written(self.param)
 
 
 class GatheredParameter(torch.Tensor):
@@ -126,15 +119,15 @@ class GatheredParameter(torch.Tensor):
             if a._fxshard_source is not None:
                 a._fxshard_source.check()
         with compat.disable_torch_function_subclass():
-            before = [(a._version, a.untyped_storage().data_ptr()) for a in seen]
+            before = [written(a) for a in seen]  # see [Note: has it changed]
             out = func(*args, **kwargs)
-            for a, (version, ptr) in zip(seen, before):
-                if a.untyped_storage().data_ptr() != ptr:  # ``.data =``: a new value
-                    a._fxshard_sink(a)
-                elif a._version != version:
-                    a._fxshard_sink(a._fxshard_root)
-                else:
+            for a, key in zip(seen, before):
+                now = written(a)
+                if now == key:
                     continue
+                # Other memory (``.data =``): the new values are ``a`` itself; else
+                # ``func`` wrote through ``a`` into the gathered value.
+                a._fxshard_sink(a if now[STORAGE] != key[STORAGE] else a._fxshard_root)
                 if a._fxshard_source is not None:
                     a._fxshard_source.renew()
         return _wrap_aliases(out, seen)
@@ -245,15 +238,15 @@ class GradSource:
         self.param, self.fqn = param, fqn
         self.state = self._now()
 
-    def _now(self) -> tuple[weakref.ref | None, tuple[int, int]]:
+    def _now(self) -> tuple[weakref.ref | None, tuple | None]:
+        # See [Note: has it changed]: the reference rules out another gradient
+        # made where a freed one was (a zero_grad, then a backward).
         grad = self.param.grad
-        if grad is None:
-            return None, (-1, -1)
-        return weakref.ref(compat.local_tensor(grad)), versions(grad)  # see [Note: has it changed]
+        return (None, None) if grad is None else (weakref.ref(grad), written(grad))
 
     def check(self) -> None:
-        (ref, version), (now_ref, now_version) = self.state, self._now()
-        same = ref is not None and now_ref is not None and ref() is now_ref() and version == now_version
+        (ref, key), (now_ref, now_key) = self.state, self._now()
+        same = ref is not None and now_ref is not None and ref() is now_ref() and key == now_key
         if not same:
             raise ValueError(
                 f"this full gradient of {self.fqn!r} was read (module.{self.fqn.rpartition('.')[2]}.grad) before "

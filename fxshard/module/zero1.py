@@ -6,13 +6,13 @@ every sharded parameter in the compute dtype (``KeptParams.full``).
 Optimizer state and ``.grad`` stay sharded: the optimizer steps on the
 shards, as at every stage. The copies are gathered at the start of the
 first call of the root module after the shards changed, so once per step:
-
-- an optimizer step makes them stale, seen as a change of the shard's
-  count of optimizer steps (``module.optimizers.count_optimizer_steps``: fused
-  optimizers write the shards without bumping any version counter);
-- so does any other write to a shard (``load_state_dict``, ``copy_``,
-  ``fxshard.compile``'s write-through of gathered parameters), seen as a
-  change of the DTensor's or its local tensor's version counter.
+an optimizer step makes them stale, and so does any other write to a shard
+(``load_state_dict``, ``copy_``, ``p.to_local().data = values``,
+``fxshard.compile``'s write-through of gathered parameters), each seen as a
+change of the shard's ``written`` key (see [Note: has it changed] in
+fxshard/module/shards.py; foreach and fused optimizer steps move no
+version counter of a DTensor, so a hook counts them:
+``module.optimizers.count_optimizer_steps``).
 
 Micro-batches of one step then gather nothing. A CUDA-graph capture always
 records the gather, at the first call of the captured step: replays run no
@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fxshard.module.optimizers import count_optimizer_steps
-from fxshard.module.shards import versions
+from fxshard.module.shards import written
 from fxshard.runtime import compat
 from fxshard.runtime.collectives import gather_many
 from fxshard.runtime.plans import Param
@@ -61,18 +61,16 @@ class KeptParams:
         self.bucket_bytes = bucket_bytes  # of gathered values per all-gather
         self.full: dict[int, torch.Tensor] = {}
         self.stale = True  # gather at the next refresh whatever the shards' state (a capture sets it)
-        self._seen: tuple | None = None  # version counters at the last gather
+        self._seen: tuple | None = None  # the shards' written keys at the last gather
         self.gathers = 0  # for tests and logs
 
     def refresh(self, params: list[DTensor]) -> None:
         """Gather the copies if a shard changed since the last gather (see the Note)."""
         mine = [params[i] for i in self.members]
-        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.members, mine)}
-        # Objects too: to_empty and .data assignments replace tensors, whose new counters start over
-        # (see [Note: has it changed]).
-        seen = tuple((id(p), id(local), versions(p), p.optimizer_steps) for p, local in zip(mine, locals_.values()))
+        seen = tuple(map(written, mine))  # see [Note: has it changed]
         if not self.stale and seen == self._seen:
             return
+        locals_ = {i: compat.local_tensor(p) for i, p in zip(self.members, mine)}
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
         with torch.inference_mode(False), torch.no_grad():
             for bucket in self._buckets(list(self.members), lambda s: s.gather_dtype):

@@ -19,6 +19,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import fxshard
 from examples.llama import RMSNorm, lm_loss, rope_tables
+from fxshard.runtime import compat
 from tests.helpers import models
 
 
@@ -284,6 +285,35 @@ def held_values_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     return {}
 
 
+def storage_swaps_check(rank: int, world_size: int) -> dict:
+    """New memory for the same values is no change, and new memory for new
+    values is one (see [Note: has it changed]). A shard given another local
+    tensor moves into its unit's slot at the first call (on the ranks whose
+    rows fill less than the slot, here rank 1 at 2 ranks): a value held
+    across the move alone is current, but one held across the move and an
+    optimizer step is stale, on every rank. A gradient whose local tensor
+    gets other memory (``.data =``, which moves no version counter) makes a
+    gathered gradient held across it stale."""
+    torch.manual_seed(0)
+    model = fxshard.compile(_mlp(), backend="aot_eager", unit_mb=0.0001)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
+    shard = model.get_parameter("2.weight")
+    # Not in its slot, as a shard whose local tensor was replaced is (units.Units.rehome).
+    compat.replace_local_tensor(shard, shard.to_local().clone())
+    held, moved_only = model[2].weight, model[2].weight
+    model(x).sum().backward()
+    torch.testing.assert_close(moved_only, model[2].weight, msg="a move is no change")
+    grad = model[2].weight.grad
+    with torch.no_grad():
+        shard.grad.to_local().data = torch.zeros_like(shard.grad.to_local())
+    with pytest.raises(ValueError, match="full gradient of '2.weight' was read .* before the gradient changed"):
+        grad.sum()
+    torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step()
+    with pytest.raises(ValueError, match="read .* before the parameter changed.*Read the attribute again"):
+        held.sum()
+    return {}
+
+
 def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``module.weight.grad`` is the parameter's full gradient, as in PyTorch
     (see [Note: writes to gathered parameters]): read, written in place,
@@ -497,6 +527,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
               "freeze_through_attribute": freeze_through_attribute_check, "zero1_fused_step": zero1_fused_step_check,
               "grads_through_attribute": grads_through_attribute_check,
+              "storage_swaps": storage_swaps_check,
               "loss_outside_forward": loss_outside_forward_check,
               "loss_outside_forward_zero1": lambda r, ws: loss_outside_forward_check(r, ws, zero_stage=1),
               "grads_through_attribute_zero1": lambda r, ws: grads_through_attribute_check(r, ws, zero_stage=1),
