@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fxshard.module.optimizers import retire
+from fxshard.module.optimizers import count_optimizer_steps, retire
 from fxshard.module.reads import LocalShards
 from fxshard.module.shards import shard_parameter, slot_backed, written
 from fxshard.runtime import compat
@@ -102,6 +102,7 @@ class RootState:
             if made is None or made[0]() is not param:
                 replacement = shard_parameter(slot_backed(applied, self.topology), param.requires_grad, param.rows)
                 replacement.mark_empty()
+                count_optimizer_steps(replacement)  # a step writes it (see [Note: has it changed])
                 made = self.materialized[id(param)] = (weakref.ref(param), replacement)
                 retire(param, fqn)
                 self.fqns[id(replacement)] = fqn

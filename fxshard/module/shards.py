@@ -56,7 +56,8 @@ def written(tensor: torch.Tensor) -> tuple[int, int, int, int, int]:
     - a shard's count of optimizer steps: torch's foreach and fused steps
       (the default on GPUs) move no version of a DTensor. A hook counts them
       while something that compares keys of shards lives
-      (``count_optimizer_steps``: ZeRO-1's copies, each held value).
+      (``count_optimizer_steps``: ZeRO-1's copies, each held value, a shard
+      materialized by ``to_empty``).
     The key is ints, so keys compare with ``==``; a tensor in it would compare
     elementwise. An id or an address can come back once its tensor is freed;
     where a tensor may be freed and another made between the two keys (a

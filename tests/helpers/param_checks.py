@@ -314,6 +314,23 @@ def storage_swaps_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def empty_then_stepped_check(rank: int, world_size: int) -> dict:
+    """A shard that ``to_empty`` left uninitialized and that only an optimizer
+    step wrote (foreach and fused steps move no version counter) is written:
+    ``module.weight`` reads the shards, not an empty tensor."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    fxshard.compile(model, backend="aot_eager")
+    model.to_empty(device=_device())
+    model(torch.randn(6, 4, device=_device())).sum().backward()
+    torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step()
+    shard = model.get_parameter("2.weight")
+    assert not shard.uninitialized, "a step wrote it"
+    # to_empty's memory may hold NaNs, and so may what a step makes of it.
+    torch.testing.assert_close(model[2].weight, shard.full_tensor(), atol=0, rtol=0, equal_nan=True)
+    return {}
+
+
 def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``module.weight.grad`` is the parameter's full gradient, as in PyTorch
     (see [Note: writes to gathered parameters]): read, written in place,
@@ -527,7 +544,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
               "freeze_through_attribute": freeze_through_attribute_check, "zero1_fused_step": zero1_fused_step_check,
               "grads_through_attribute": grads_through_attribute_check,
-              "storage_swaps": storage_swaps_check,
+              "storage_swaps": storage_swaps_check, "empty_then_stepped": empty_then_stepped_check,
               "loss_outside_forward": loss_outside_forward_check,
               "loss_outside_forward_zero1": lambda r, ws: loss_outside_forward_check(r, ws, zero_stage=1),
               "grads_through_attribute_zero1": lambda r, ws: grads_through_attribute_check(r, ws, zero_stage=1),
