@@ -234,6 +234,34 @@ def test_optimizer_step_before_the_sync_backward_raises(fake_pg):
         model.set_requires_gradient_sync(0)
 
 
+def _storage_bytes(tensors) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+@pytest.mark.parametrize("zero_stage", [3, 1])
+def test_accumulation_without_sync_holds_no_sharded_gradients(fake_pg, zero_stage):
+    """Between micro-batches without sync the gradient memory alive is the
+    kept full gradients (in the reduce dtype), as under FSDP2: each shard's
+    .grad is one zero element (see [Note: a zero gradient without memory]),
+    not 1/world of the model in the shard dtype. A byte count. Under the
+    benchmark's mixed precision (bf16 compute, fp32 reduce and shards)."""
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage,
+                    mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32))  # fmt: skip
+    params = list(model.parameters())
+    shard_bytes = _storage_bytes(p.to_local() for p in params)
+    for _ in range(2):
+        _micro_step(model, False)
+        grads = [p.grad.to_local() for p in params]
+        assert _storage_bytes(grads) == sum(p.element_size() for p in params)  # one element each
+        assert not any(g.any() for g in grads)
+        kept = runtime.state(model).store.grads.values()
+        assert _storage_bytes(kept) == sum(p.numel() * 4 for p in params)  # every full gradient, fp32
+    _micro_step(model, True)
+    assert _storage_bytes(p.grad.to_local() for p in params) >= shard_bytes
+    assert not runtime.state(model).store.grads
+
+
 class _TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()

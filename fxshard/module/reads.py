@@ -18,8 +18,9 @@ is the same on every rank: a graph break depends on the code, not the data.
 [Note: plain tensors into compiled graphs]
 Compiled graphs never see a DTensor. Each root call fills every owning
 module's ``_fxshard_locals`` table: the local shards (one ``_ToLocal`` node
-links their gradients back to the DTensor parameters), or, for sequenced
-reads, the call's anchors. The property reads from that table, so dynamo
+links their gradients back to the DTensor parameters; a call without sync,
+which gives them none, reads detached leaves), or, for sequenced reads, the
+call's anchors. The property reads from that table, so dynamo
 lifts plain tensors as graph inputs. (torch 2.13 passes a DTensor's
 DeviceMesh into graphs as an opaque value, which AOTAutograd cannot save for
 backward inside activation-checkpoint regions.)
@@ -43,7 +44,7 @@ from fxshard.module.writes import ParameterLink, Source, gathered_parameter
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
 from fxshard.runtime import compat
-from fxshard.runtime.ops import SYNC, kept, replicate, unshard
+from fxshard.runtime.ops import ACCUMULATE, SYNC, kept, replicate, unshard
 from fxshard.runtime.sequencer import seq_gather
 
 ANCHOR, FROZEN_ANCHOR = "__fxshard_anchor__", "__fxshard_frozen_anchor__"  # keys in _fxshard_locals
@@ -150,7 +151,14 @@ class LocalShards:
         params = self.parameters()
         locals_: list[torch.Tensor | None] = [None] * len(params)
         trained = [i for i, p in enumerate(params) if p.requires_grad]
-        if trained and torch.is_grad_enabled():
+        if trained and torch.is_grad_enabled() and phase == ACCUMULATE:
+            # The shards get no gradient: the store takes it (see [Note:
+            # accumulation without sync]). Leaves, not _ToLocal's views:
+            # AOTAutograd detaches a non-leaf input whose gradient is None,
+            # and a graph whose inputs are all detached has no backward.
+            for i in trained:
+                locals_[i] = compat.local_tensor(params[i]).detach().requires_grad_()
+        elif trained and torch.is_grad_enabled():
             for i, local in zip(trained, _ToLocal.apply(*(params[i] for i in trained))):
                 locals_[i] = local
         for i, p in enumerate(params):

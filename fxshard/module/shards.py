@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from fxshard.runtime import compat, process
 from fxshard.runtime.topology import Topology
@@ -217,10 +218,12 @@ class HeldShard:
     """A parameter's shard as its first owner holds it now (``plans.Shard``):
     read from the module each time, since the user may replace the tensor."""
 
-    __slots__ = ("module", "attr")
+    __slots__ = ("module", "attr", "_zero", "_release")
 
     def __init__(self, module: torch.nn.Module, attr: str) -> None:
         self.module, self.attr = module, attr
+        self._zero: DTensor | None = None  # the .grad that hold_zero_grad gave, until released
+        self._release: RemovableHandle | None = None  # the hook that releases it
 
     def local(self) -> torch.Tensor:
         return compat.local_tensor(self.module._parameters[self.attr])
@@ -234,7 +237,44 @@ class HeldShard:
         if isinstance(param, ShardParameter):
             param.moved = (before, written(param))
 
+    # [Note: a zero gradient without memory]
+    # A parameter whose gradient is kept without sync gets a zero ``.grad``
+    # where it has none (see [Note: accumulation without sync] in
+    # fxshard/runtime/ops.py): what ``zero_grad`` resets, so that the root can
+    # tell that the kept gradients were reset too. It is one zero element
+    # expanded to the shard's shape: a real zero gradient would hold the
+    # sharded gradients (1/world of the model in the shard dtype) from the
+    # first micro-batch, where FSDP2 makes them at the reduce. Reads and
+    # ``zero_grad`` (both forms) work on it; other in-place writes raise (its
+    # elements share one memory location). It is released (``.grad`` back to
+    # None) before anything accumulates into ``.grad``: by a hook on the
+    # parameter, which runs before autograd accumulates, and by ``add_grad``.
+    def hold_zero_grad(self) -> None:
+        """Give the parameter a zero ``.grad`` without memory if it has none (see the Note)."""
+        param = self.module._parameters[self.attr]
+        if param.grad is not None or not param.requires_grad:
+            return
+        self.release_zero_grad()  # a zero the user reset (zero_grad set None): its hook
+        local = compat.local_tensor(param)
+        param.grad = grad_dtensor(local.new_zeros(()).expand(local.shape), compat.dtensor_spec(param))
+        self._zero = param.grad
+        self._release = param.register_hook(self._before_accumulate)
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        self.release_zero_grad()  # returns None: the gradient goes on unchanged
+
+    def release_zero_grad(self) -> None:
+        """``.grad`` back to None if it is still the zero ``hold_zero_grad`` gave."""
+        if self._release is None:
+            return
+        param = self.module._parameters[self.attr]
+        if param.grad is self._zero:
+            param.grad = None
+        self._release.remove()  # torch allows it inside the hook itself
+        self._zero = self._release = None
+
     def add_grad(self, grad: torch.Tensor) -> None:
+        self.release_zero_grad()
         param = self.module._parameters[self.attr]
         if param.grad is None:
             param.grad = grad_dtensor(grad, compat.dtensor_spec(param))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.fx.node import has_side_effect
 
 from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import gather_full, reduce_replicated, reduce_to_shard
@@ -32,8 +33,11 @@ from fxshard.runtime.rank_checks import check_collective
 # - SYNC: the gradient is reduced (reduce-scatter, or all-reduce for a
 #   replicated parameter), as always;
 # - ACCUMULATE: ``fxshard::accumulate_grad`` adds the full gradient into the
-#   model's ``GradStore`` (in the reduce dtype) and gives the shard a zero
-#   gradient;
+#   model's ``GradStore`` (in the reduce dtype) and gives the shard none, so
+#   that no sharded gradient exists before the reduces of the call with sync
+#   (as under FSDP2); when the backward ends, a shard without ``.grad`` gets
+#   a zero one without memory (see [Note: a zero gradient without memory] in
+#   fxshard/module/shards.py);
 # - FLUSH (sync on, gradients accumulated): ``fxshard::take_accumulated``
 #   adds the stored sum to this call's gradient, releasing it, before the
 #   reduce. Stored gradients that no read of this call took (a parameter
@@ -43,7 +47,7 @@ from fxshard.runtime.rank_checks import check_collective
 # Gradients reset after a micro-batch without sync (``zero_grad``, say) drop
 # what it kept, as they would drop gradients kept in ``.grad``: the root
 # compares the ``.grad`` tensors at its next call with those the backward
-# left (``RootState.check_kept``).
+# left, the zero ones included (``RootState.check_kept``).
 SYNC, ACCUMULATE, FLUSH = 0, 1, 2
 
 
@@ -133,19 +137,21 @@ def _reduce_grad_fake(grad, plan, index):
 
 
 @runtime_op("accumulate_grad")
-def accumulate_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
+def accumulate_grad(grad: torch.Tensor, plan: int, index: int) -> None:
     """Add the full gradient of parameter ``index`` into ``plan``'s store,
-    unreduced; the local gradient from this call is zero (see [Note:
+    unreduced; the shard gets no gradient from this call (see [Note:
     accumulation without sync])."""
-    p = plans.param(plan, index)
-    plans.runtime(plan).store.add(index, grad, p.summed_dtype)
-    return grad.new_zeros((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
+    plans.runtime(plan).store.add(index, grad, plans.param(plan, index).summed_dtype)
 
 
 @accumulate_grad.register_fake
 def _accumulate_grad_fake(grad, plan, index):
-    p = plans.param(plan, index)
-    return grad.new_empty((plans.local_rows(plan, index), *grad.shape[1:]), dtype=p.shard_dtype)
+    return None
+
+
+# Nothing reads its (absent) output: only this keeps it in a graph, through
+# AOTAutograd's dead-code elimination and Inductor's.
+has_side_effect(torch.ops.fxshard.accumulate_grad.default)
 
 
 @runtime_op("take_accumulated")
@@ -162,10 +168,12 @@ def _take_accumulated_fake(grad, plan, index):
 
 
 def _phase_backward(grad: torch.Tensor, plan: int, index: int, phase: int,
-                    reduce: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor:  # fmt: skip
-    """The gradient of a read in its phase: reduced, accumulated, or reduced with what was accumulated."""
-    if phase == ACCUMULATE:
-        return _grad_op(accumulate_grad, grad, plan, index)
+                    reduce: Callable[[torch.Tensor, int, int], torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
+    """The gradient of a read in its phase: reduced, or reduced with what was
+    accumulated; None where it is accumulated (the shard gets none)."""
+    if phase == ACCUMULATE:  # no gradient for the shard, so nothing for a graph-building backward to record
+        accumulate_grad(grad, plan, index)
+        return None
     if phase == FLUSH:
         grad = _grad_op(take_accumulated, grad, plan, index)
     return _grad_op(reduce, grad, plan, index)
@@ -250,7 +258,7 @@ def _replicate_backward(ctx, grad):
     grad = grad.contiguous()
     scalar = grad.dim() == 0  # the store keeps a 0-dimensional gradient as one row
     out = _phase_backward(grad.reshape(1) if scalar else grad, ctx.plan, ctx.index, ctx.phase, all_reduce_grad)
-    return out.reshape(()) if scalar else out, None, None, None
+    return out.reshape(()) if scalar and out is not None else out, None, None, None
 
 
 replicate.register_autograd(_replicate_backward, setup_context=_marker_setup)

@@ -151,6 +151,11 @@ class Shard(Protocol):
         """Accumulate a reduced gradient of this rank's rows into ``.grad``."""
         ...
 
+    def hold_zero_grad(self) -> None:
+        """A zero ``.grad`` without memory where there is none, while the
+        gradient is kept without sync (see [Note: a zero gradient without memory])."""
+        ...
+
     def trainable(self) -> bool:
         """The parameter's ``requires_grad`` now (users may freeze later)."""
         ...
