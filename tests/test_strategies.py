@@ -273,6 +273,15 @@ class _TwoHeads(nn.Module):
         return getattr(self, head)(torch.tanh(self.body(x)))
 
 
+class _TwoHeadsBreak(_TwoHeads):
+    """With a graph break: its reads go through the sequencer (see [Note: two ways to read])."""
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        torch._dynamo.graph_break()
+        return getattr(self, head)(h)
+
+
 def _leftovers(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """Head ``a`` is used only by the micro-batches without sync: the graph
     with sync takes nothing for it, and its sum is reduced when that
@@ -295,11 +304,12 @@ def _leftovers(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     return {}
 
 
-def _reset_between(rank: int, world_size: int, set_to_none: bool, zero_stage: int = 3) -> dict:
+def _reset_between(rank: int, world_size: int, set_to_none: bool, zero_stage: int = 3,
+                   cls: type[_TwoHeads] = _TwoHeads) -> dict:  # fmt: skip
     """zero_grad after a micro-batch without sync drops what it kept, as it
     drops .grad: the step then holds only the later micro-batch's gradient."""
     torch.manual_seed(0)
-    model, ref = _TwoHeads(), _TwoHeads()
+    model, ref = cls(), cls()
     ref.load_state_dict(model.state_dict())
     fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -307,6 +317,7 @@ def _reset_between(rank: int, world_size: int, set_to_none: bool, zero_stage: in
           for r in range(world_size)]  # fmt: skip
     model.set_requires_gradient_sync(False)
     model(xs[rank][0], "a").pow(2).mean().backward()
+    assert runtime.state(model).sequenced == (cls is _TwoHeadsBreak)
     opt.zero_grad(set_to_none=set_to_none)
     model.set_requires_gradient_sync(True)
     model(xs[rank][1], "a").pow(2).mean().backward()
@@ -340,6 +351,9 @@ TWO_RANK_CHECKS = {
     # ZeRO-1's kept copies keep and reduce gradients as the other stages' reads do.
     "kept_gradients_no_read_took_are_reduced_zero1": lambda r, w: _leftovers(r, w, zero_stage=1),
     "zero_grad_drops_kept_gradients_zero1": lambda r, w: _reset_between(r, w, True, zero_stage=1),
+    # Sequenced reads keep gradients outside .grad too; .grad was None, and zero_grad left no trace.
+    "zero_grad_drops_kept_gradients_sequenced": lambda r, w: _reset_between(r, w, True, cls=_TwoHeadsBreak),
+    "zero_grad_in_place_drops_kept_gradients_sequenced": lambda r, w: _reset_between(r, w, False, cls=_TwoHeadsBreak),
     "ranks_must_mark_the_same_no_shard_parameters": lambda r, w: _marks_differ(r, w),
 }
 

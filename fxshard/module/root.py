@@ -151,7 +151,8 @@ class RootState:
         return tuple(None if g is None else written(g) for g in grads)
 
     def _note_kept(self) -> None:
-        for index in self.store.grads:
+        # Graphs' and sequenced calls' alike: with .grad None, a reset would not show.
+        for index in (*self.store.grads, *self.sequencer.held()):
             self.sequencer.params[index].shard.hold_zero_grad()
         self._kept_grads = self._grads_now()
 

@@ -196,6 +196,10 @@ class Sequencer:
     def drop_held(self) -> None:
         self._held.clear()
 
+    def held(self) -> list[int]:
+        """The parameters whose gradients calls without sync left for a call with sync."""
+        return list(self._held)
+
     def pending(self) -> bool:
         """Whether gradients of calls without sync wait for a call with sync."""
         return bool(self._held) or any(not c.sync for c in self._pending.values())
