@@ -262,6 +262,24 @@ def test_accumulation_without_sync_holds_no_sharded_gradients(fake_pg, zero_stag
     assert not runtime.state(model).store.grads
 
 
+def test_a_reset_leaves_no_zero_gradient_without_memory(fake_pg):
+    """zero_grad(set_to_none=False) after a micro-batch without sync drops the
+    kept gradients; the zero .grad without memory it zeroed becomes a real
+    zero gradient by the optimizer step, which reads it (a fused optimizer
+    reads a gradient as contiguous memory: the expanded zero, as garbage)."""
+    model = models.TinyLlama()
+    fxshard.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters())
+    _micro_step(model, False)
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+    assert not runtime.state(model).pending()
+    for p in model.parameters():
+        grad = p.grad.to_local()
+        assert grad.is_contiguous() and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        assert not grad.any()
+
+
 class _TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()

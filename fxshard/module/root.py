@@ -25,7 +25,7 @@ from fxshard.module.reads import LocalShards
 from fxshard.module.shards import shard_parameter, slot_backed, written
 from fxshard.runtime import compat
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
-from fxshard.runtime.plans import ModelRuntime, Param
+from fxshard.runtime.plans import ModelRuntime, Param, Shard
 from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import Units
 
@@ -61,6 +61,7 @@ class RootState:
         self.store = runtime.store = GradStore(self.sequencer.reduce_one, self._note_kept)
         self.sequencer.after_hold = self._note_kept
         self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
+        self._zeroed: list[Shard] = []  # given a zero .grad without memory (see [Note: a zero gradient without memory])
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
         self.backend: FXShardBackend | None = None  # see attach
         self.units: Units | None = None
@@ -153,19 +154,25 @@ class RootState:
     def _note_kept(self) -> None:
         # Graphs' and sequenced calls' alike: with .grad None, a reset would not show.
         for index in (*self.store.grads, *self.sequencer.held()):
-            self.sequencer.params[index].shard.hold_zero_grad()
+            shard = self.sequencer.params[index].shard
+            if shard.hold_zero_grad():
+                self._zeroed.append(shard)
         self._kept_grads = self._grads_now()
 
     def check_kept(self) -> None:
         """Drop the gradients kept without sync if ``.grad`` was reset since
-        (see [Note: accumulation without sync] in runtime/ops.py)."""
-        if not self.pending() or self._kept_grads is None or self._grads_now() == self._kept_grads:
-            return
-        log.warning("fxshard: gradients were reset (zero_grad) after micro-batches without sync; dropping the "
-                    "gradients kept for those micro-batches, as their .grad was")  # fmt: skip
-        self.store.grads.clear()
-        self.sequencer.drop_held()
-        self._kept_grads = None
+        (see [Note: accumulation without sync] in runtime/ops.py); once none
+        are kept, no zero gradient without memory stays ``.grad``."""
+        if self.pending() and self._kept_grads is not None and self._grads_now() != self._kept_grads:
+            log.warning("fxshard: gradients were reset (zero_grad) after micro-batches without sync; dropping the "
+                        "gradients kept for those micro-batches, as their .grad was")  # fmt: skip
+            self.store.grads.clear()
+            self.sequencer.drop_held()
+            self._kept_grads = None
+        if self._zeroed and not self.pending():
+            for shard in self._zeroed:
+                shard.release_zero_grad(materialize=True)
+            self._zeroed.clear()
 
     def _sequenced_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         with self.sequencer.call(self.sync) as (anchor, frozen), self.shards.anchors(anchor, frozen):

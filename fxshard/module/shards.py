@@ -246,30 +246,39 @@ class HeldShard:
     # sharded gradients (1/world of the model in the shard dtype) from the
     # first micro-batch, where FSDP2 makes them at the reduce. Reads and
     # ``zero_grad`` (both forms) work on it; other in-place writes raise (its
-    # elements share one memory location). It is released (``.grad`` back to
-    # None) before anything accumulates into ``.grad``: by a hook on the
+    # elements share one memory location). It lives only while the gradient
+    # is kept, which no optimizer steps on (fused ones read a gradient as
+    # contiguous memory: this one, as garbage). Before anything accumulates
+    # into ``.grad`` it is released (``.grad`` back to None): by a hook on the
     # parameter, which runs before autograd accumulates, and by ``add_grad``.
-    def hold_zero_grad(self) -> None:
-        """Give the parameter a zero ``.grad`` without memory if it has none (see the Note)."""
+    # Where nothing is kept any more but it is still ``.grad`` (``zero_()``
+    # reset the kept gradients, or a sequenced flush skipped a parameter
+    # frozen since), the root makes it a real zero gradient.
+    def hold_zero_grad(self) -> bool:
+        """Give the parameter a zero ``.grad`` without memory if it has none
+        (see the Note); whether it did."""
         param = self.module._parameters[self.attr]
         if param.grad is not None or not param.requires_grad:
-            return
+            return False
         self.release_zero_grad()  # a zero the user reset (zero_grad set None): its hook
         local = compat.local_tensor(param)
         param.grad = grad_dtensor(local.new_zeros(()).expand(local.shape), compat.dtensor_spec(param))
         self._zero = param.grad
         self._release = param.register_hook(self._before_accumulate)
+        return True
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         self.release_zero_grad()  # returns None: the gradient goes on unchanged
 
-    def release_zero_grad(self) -> None:
-        """``.grad`` back to None if it is still the zero ``hold_zero_grad`` gave."""
+    def release_zero_grad(self, materialize: bool = False) -> None:
+        """If ``.grad`` is still the zero ``hold_zero_grad`` gave: None, or
+        with ``materialize`` a real zero gradient."""
         if self._release is None:
             return
         param = self.module._parameters[self.attr]
         if param.grad is self._zero:
-            param.grad = None
+            local = compat.local_tensor(param)
+            param.grad = grad_dtensor(torch.zeros_like(local), compat.dtensor_spec(param)) if materialize else None
         self._release.remove()  # torch allows it inside the hook itself
         self._zero = self._release = None
 

@@ -151,9 +151,14 @@ class Shard(Protocol):
         """Accumulate a reduced gradient of this rank's rows into ``.grad``."""
         ...
 
-    def hold_zero_grad(self) -> None:
+    def hold_zero_grad(self) -> bool:
         """A zero ``.grad`` without memory where there is none, while the
-        gradient is kept without sync (see [Note: a zero gradient without memory])."""
+        gradient is kept without sync (see [Note: a zero gradient without
+        memory]); whether it gave one."""
+        ...
+
+    def release_zero_grad(self, materialize: bool = False) -> None:
+        """The zero ``hold_zero_grad`` gave, if still ``.grad``: None, or a real zero gradient."""
         ...
 
     def trainable(self) -> bool:
