@@ -42,6 +42,26 @@ registered on the value (``register_hook``,
 is in the autograd graph: on the value they would never run. They receive
 the shard's reduced gradient, a DTensor, as FSDP2's do.
 
+[Note: a write in each direction]
+A gathered value and its shard are two tensors holding the same rows, so a
+write to either must reach the other or make it stale. The two directions
+are handled apart, with the same key (``written``, see [Note: has it
+changed] in shards.py):
+- value to shard: a function run on the value (or an alias) that changed
+  its key wrote it, and its rows go to the shard at once
+  (``GatheredParameter.__torch_function__``; a gathered gradient's go to
+  the shard's ``.grad``). The write happens in fxshard's sight, and the
+  shard is the parameter, which the optimizer and the next call read.
+- shard to value: a write to the shard happens where fxshard does not run
+  (an optimizer step, a state dict load, code on ``model.parameters()``),
+  so the values gathered from it cannot be updated then; each finds out at
+  its next use, by comparing the shard's key with the one at its read
+  (``Source``, ``GradSource``), and raises.
+One route would need either a copy of every shard write into every value
+gathered from it (fxshard does not know the values the user holds, and it
+would gather on every write), or the value to be the shard, which it is
+only where the parameter is replicated and frozen (no ``Source``).
+
 Meta-device init builds on this: after ``model.to_empty(device=...)`` a
 parameter has no values yet, so reading it returns an uninitialized full
 tensor without a collective, and the first write makes it initialized. The
