@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fxshard.checks import check_same_model
@@ -26,7 +27,7 @@ from fxshard.options import options
 from fxshard.passes.pipeline import BackendSpec, FXShardBackend, GraphRecord
 from fxshard.plan import Lifetime, build_plan, device_memory, format_plan, marked
 from fxshard.policy import MixedPrecision
-from fxshard.runtime import rank_checks
+from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.plans import ParamPlan, PlanTable
 from fxshard.runtime.topology import Topology
 from fxshard.runtime.units import Units
@@ -90,11 +91,23 @@ def _check_model(model: nn.Module) -> None:
                 f"fxshard.compile was already called on {where}; call it once, on the root module, "
                 "and use the module it returned"
             )
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
             raise ValueError(
-                f"parameter {name!r} is already a DTensor ({param.placements}); fxshard shards plain "
-                "parameters. Pass the model before fully_shard, distribute_tensor or another sharding"
+                f"{name or 'the model'} is already sharded by FSDP2's fully_shard; fxshard shards the model "
+                "itself. Pass it before fully_shard (after parallelize_module, for tensor parallelism)"
+            )
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        unsupported = [p for p in param.placements
+                       if not (p.is_replicate() or (p.is_shard() and not compat.is_strided_shard(p)))]  # fmt: skip
+        if unsupported:
+            raise ValueError(
+                f"parameter {name!r} is a DTensor placed {tuple(param.placements)}; fxshard shards tensor-parallel "
+                "parameters placed Shard(k) or Replicate() on their mesh, as parallelize_module's styles leave "
+                f"them, not {unsupported[0]}. Pass the model before fully_shard, distribute_tensor with other "
+                "placements or another data-parallel sharding"
             )
     for name, module in model.named_modules():
         # The forward renormalizes the weight in place, a write that the
@@ -175,17 +188,69 @@ def _check_devices(model: nn.Module, expected: torch.device) -> None:
             )
 
 
+def _tp_meshes(model: nn.Module) -> tuple[DeviceMesh, ...]:
+    """The meshes of the parameters that tensor parallelism made DTensors
+    (see [Note: tensor-parallel parameters]), each once, by dimension names."""
+    meshes: dict[tuple, DeviceMesh] = {}
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        if compat.local_tensor(param).is_meta:
+            raise ValueError(
+                f"tensor-parallel parameter {name!r} is on the meta device; meta-device init with tensor "
+                "parallelism is not supported yet. Materialize and initialize the model before fxshard.compile "
+                "(model.to_empty(device=...), then its own init)"
+            )
+        mesh = param.device_mesh
+        seen = meshes.setdefault(tuple(mesh.mesh_dim_names or ()), mesh)
+        if seen != mesh or len(meshes) > 1:
+            raise ValueError(
+                f"parameter {name!r} is sharded over the mesh {mesh.mesh_dim_names}, and other parameters over "
+                f"{next(iter(meshes))}; fxshard supports one TP mesh (expert parallelism, or TP over several "
+                "meshes, is not supported yet). Apply parallelize_module with one mesh, mesh['tp']"
+            )
+    return tuple(meshes.values())
+
+
 def _topology(model: nn.Module, mesh: DeviceMesh | None) -> Topology:
     """The user's mesh (all ranks where None), read once (see [Note: topology])."""
+    tp_meshes = _tp_meshes(model)
+    if tp_meshes and mesh is None:
+        raise ValueError(
+            "the model has tensor-parallel parameters (DTensors); pass the data-parallel mesh beside their TP "
+            "mesh: fxshard.compile(model, mesh['dp']) of init_device_mesh(device_type, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp'))"
+        )
     if mesh is None:
         first = next(model.parameters(), None)
         device_type = first.device.type if first is not None else "cpu"
         if device_type == "meta":  # materialized later, on this machine's accelerator if it has one
             device_type = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
         mesh = _default_mesh(device_type)
-    topology = Topology.from_mesh(mesh)
+    topology = Topology.from_mesh(mesh, tp_meshes)
     _check_devices(model, topology.device)
     return topology
+
+
+def _check_tensor_parallel(model: nn.Module, zero_stage: int, shard_frozen: bool, whole: set[int]) -> None:
+    """Refuse what fxshard does not support for tensor-parallel parameters
+    yet (see [Note: tensor-parallel parameters]), naming it and the fix."""
+    tp = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if not tp:
+        return
+    if zero_stage == 1:
+        raise ValueError(
+            f"zero_stage=1 with tensor-parallel parameters ({tp[0][0]!r} and others) is not supported yet; "
+            "pass zero_stage=2 or 3"
+        )
+    for name, p in tp:
+        frozen = not p.requires_grad and not shard_frozen
+        if id(p) in whole or frozen or p.dim() == 0:
+            why = "fxshard.no_shard marks it" if id(p) in whole else "it is frozen" if frozen else "it is 0-dimensional"
+            raise ValueError(
+                f"tensor-parallel parameter {name!r} would be kept replicated over the data-parallel mesh ({why}), "
+                "which is not supported yet: leave it unmarked, and pass shard_frozen=True for frozen ones"
+            )
 
 
 def _check_collectives(topology: Topology) -> None:
@@ -309,9 +374,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                    compile_blocks_once=compile_blocks_once, reduces_in_flight=reduces_in_flight,
                    debug_dir=debug_dir, check_same_init=check_same_init, shard_frozen=shard_frozen)  # fmt: skip
     explicit = _explicit_units(model, units)
+    whole = marked(model)
+    _check_tensor_parallel(model, opts.zero_stage, opts.shard_frozen, whole)
     topology = _topology(model, mesh)
     shard, replicas, device = topology.shard, topology.replicas, topology.device
-    whole = marked(model)
     memory = check_same_model(model, topology, values=opts.check_same_init, whole=whole,
                               memory=device_memory(device))  # fmt: skip
     # Below, everything runs on the shard dimension; HSDP adds to each reduce
@@ -351,7 +417,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     # On the instance: the class may outlive the model (see module.swap._root_methods).
     model.__dict__[PLAN] = plan
     # Full state dicts load into the shards; another rank's shards do not.
-    checkpoint.install(model, shard.rank, shard.size)
+    tp = topology.tensor_parallel
+    checkpoint.install(model, shard.rank, shard.size, tuple((t.mesh.get_local_rank(), t.mesh.size()) for t in tp))
     log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shard.size,
              1 if replicas is None else replicas.size, opts.backend)  # fmt: skip
     return model

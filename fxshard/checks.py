@@ -27,7 +27,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from fxshard.runtime import compat
 from fxshard.runtime.topology import Topology
 
 _CHUNK = 1 << 22  # elements per step of a checksum: bounds its temporary memory
@@ -66,7 +68,8 @@ def checksum(tensor: torch.Tensor) -> torch.Tensor:
 
 def _layout(params: list[tuple[str, nn.Parameter]], whole: set[int]) -> list[str]:
     return [f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')} requires_grad={p.requires_grad}"
-            + (" no_shard" if id(p) in whole else "") for name, p in params]  # fmt: skip
+            + (" no_shard" if id(p) in whole else "") + (f" {tuple(p.placements)}" if isinstance(p, DTensor) else "")
+            for name, p in params]  # fmt: skip
 
 
 def _hash64(lines: list[str]) -> int:
@@ -118,7 +121,10 @@ def check_same_model(
         )
     if not values or not params:
         return smallest
-    sums = _all_gather(torch.stack([checksum(p) for _, p in params]).cpu(), topology)
+    # A tensor-parallel parameter's TP-local piece: the ranks compared, one
+    # data-parallel group, share a TP coordinate (see [Note: topology]).
+    locals_ = [compat.local_tensor(p) if isinstance(p, DTensor) else p for _, p in params]
+    sums = _all_gather(torch.stack([checksum(p) for p in locals_]).cpu(), topology)
     differs = (sums != sums[0]).any(0)
     if bool(differs.any()):
         i = int(differs.nonzero()[0])

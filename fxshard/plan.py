@@ -27,8 +27,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fxshard.module.shards import ShardParameter
 from fxshard.module.writes import GatheredParameter
 from fxshard.policy import MixedPrecision
+from fxshard.runtime import compat
 from fxshard.runtime.plans import Lifetime, ParamPlan, Placement, Reduce, placement_text, reduce_text
 from fxshard.runtime.topology import Topology
 
@@ -49,8 +51,9 @@ def no_shard(target: nn.Module | nn.Parameter) -> nn.Module | nn.Parameter:
     mesh instead of reduce-scattered. Call it before ``fxshard.compile``;
     returns ``target``. For parameters small enough that a gather costs more
     than it saves, or that a kernel reads whole outside the forward."""
-    compiled = isinstance(target, (DTensor, GatheredParameter)) or (
-        isinstance(target, nn.Module) and any(isinstance(p, DTensor) for p in target.parameters())
+    # A shard, not any DTensor: tensor parallelism's parameters are DTensors before compile.
+    compiled = isinstance(target, (ShardParameter, GatheredParameter)) or (
+        isinstance(target, nn.Module) and any(isinstance(p, ShardParameter) for p in target.parameters())
     )
     if compiled:
         raise ValueError(
@@ -131,6 +134,10 @@ def build_plan(
     shard, replicas = topology.shard, topology.replicas
     plans: dict[int, ParamPlan] = {}
     for fqn, param in params:
+        # A tensor-parallel parameter is sharded as its TP-local tensor (see
+        # [Note: tensor-parallel parameters]).
+        tp = topology.tp_layout(param) if isinstance(param, DTensor) else None
+        local = compat.local_tensor(param) if tp is not None else param
         # A 0-dimensional parameter (a learned scale) has no dim 0 to shard.
         replicated = id(param) in whole or param.dim() == 0 or (replicate_frozen and not param.requires_grad)
         if replicated:
@@ -142,9 +149,9 @@ def build_plan(
         dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
         plans[id(param)] = ParamPlan(
             fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,
-            param.shape[0] if param.dim() else 1, shard.size, shard.name, reduce_group_name, dtype,
-            mp.reduce_dtype, param.requires_grad, tuple(param.shape), param.dtype, topology.device,
-            *((replicas.size, replicas.group_name) if replicas is not None else ()),
+            local.shape[0] if local.dim() else 1, shard.size, shard.name, reduce_group_name, dtype,
+            mp.reduce_dtype, param.requires_grad, tuple(local.shape), param.dtype, topology.device,
+            *((replicas.size, replicas.group_name) if replicas is not None else (1, "")), tp,
         )  # fmt: skip
     return plans
 

@@ -86,7 +86,7 @@ def test_parameters_already_dtensors(fake_pg):
     model = nn.Linear(4, 4)
     mesh = init_device_mesh("cpu", (4,))
     model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match="already a DTensor"):
+    with pytest.raises(ValueError, match="already sharded over the mesh passed to fxshard.compile"):
         fxshard.compile(model, mesh)
 
 

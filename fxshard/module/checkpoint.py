@@ -23,7 +23,8 @@ every rank. So ``state_dict()`` records, in the state dict's metadata (which
 ``torch.save`` keeps), the shard rank and count it was taken on, and a load
 of sharded values taken on another shard rank raises, naming the fix. Full
 state dicts and DCP, which reshard, are unaffected. HSDP replicas hold the
-same shards, so only the shard dimension counts.
+same shards, so only the shard dimension counts; ranks of one TP group hold
+different pieces, so their TP coordinate counts too.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from torch.distributed.tensor import DTensor
 
 from fxshard.module.shards import ShardParameter, rows_of
 
-_SHARD = "fxshard_shard"  # state dict metadata: (shard rank, shard count) it was taken on
+_SHARD = "fxshard_shard"  # state dict metadata: (shard rank, shard count, *TP (rank, size)) it was taken on
 
 
-def install(model: nn.Module, shard_rank: int, shard_count: int) -> None:
+def install(model: nn.Module, shard_rank: int, shard_count: int, tp: tuple[tuple[int, int], ...] = ()) -> None:
     """Let ``model`` (the compiled root) load full state dicts, and refuse
-    another rank's shards (see the Notes)."""
-    taken_on = (shard_rank, shard_count)
+    another rank's shards (see the Notes). ``tp``: the (rank, size) of this
+    rank on each TP mesh, whose ranks hold different pieces too."""
+    taken_on = (shard_rank, shard_count, *tp)
 
     def stamp(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         local_metadata[_SHARD] = taken_on
@@ -52,7 +54,7 @@ def install(model: nn.Module, shard_rank: int, shard_count: int) -> None:
     model.register_load_state_dict_pre_hook(functools.partial(_check_and_shard, taken_on))
 
 
-def _check_and_shard(here: tuple[int, int], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+def _check_and_shard(here: tuple, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                      local_metadata: dict, *args: Any) -> None:  # fmt: skip
     saved = local_metadata.get(_SHARD)
     if saved is not None and tuple(saved) != here:
@@ -60,8 +62,8 @@ def _check_and_shard(here: tuple[int, int], module: nn.Module, state_dict: dict[
                  if _is_shard(state_dict.get(prefix + n)) and isinstance(p, DTensor)]  # fmt: skip
         if names:
             raise ValueError(
-                f"this state dict holds the shards of rank {saved[0]} of {saved[1]} ({names[0]!r} and others), "
-                f"and this is rank {here[0]} of {here[1]}: loading it would give this rank another rank's rows. "
+                f"this state dict holds the shards of rank {_where(saved)} ({names[0]!r} and others), and this is "
+                f"rank {_where(here)}: loading it would give this rank another rank's rows. "
                 "Save and load a file per rank (torch.save(model.state_dict(), f'model-{rank}.pt')), use "
                 "torch.distributed.checkpoint (any world size), or save a full state dict "
                 "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
@@ -86,6 +88,11 @@ def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: st
                 "each rank's rows into the existing shards"
             )
         state_dict[key] = rows_of(value, param)
+
+
+def _where(taken_on: Any) -> str:
+    where = f"{taken_on[0]} of {taken_on[1]}"
+    return where + "".join(f", TP rank {r} of {n}" for r, n in taken_on[2:])
 
 
 def _is_shard(value: Any) -> bool:

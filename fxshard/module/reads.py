@@ -37,6 +37,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fxshard.module.shards import as_dtensor_grads, dtensor_metas
@@ -178,16 +179,26 @@ class LocalShards:
                              for key, value in ((ANCHOR, anchor), (FROZEN_ANCHOR, frozen))})  # fmt: skip
 
 
-def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int) -> property:
+def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_stored: int,
+                       tp_mesh: DeviceMesh | None = None) -> property:  # fmt: skip
     """``plan``: the id of the model's plan table, which the markers of reads
     in a root call name; ``as_stored``: the same plans in the stored dtype,
-    for reads outside one."""
+    for reads outside one. ``tp_mesh``: a tensor-parallel parameter's TP mesh."""
+    tp = spec.tp
+    shape = torch.Size(tp.shape) if tp is not None else None
+
+    def as_tp(value: torch.Tensor) -> torch.Tensor:
+        """A gathered TP-local tensor as the TP module computes on it (see
+        [Note: tensor-parallel parameters]); any other value as it is."""
+        if tp is None:
+            return value
+        return DTensor.from_local(value, tp_mesh, tp.placements, run_check=False, shape=shape, stride=tp.stride)
 
     def get(module: nn.Module) -> torch.Tensor:
         table = module._fxshard_locals
         if ANCHOR in table:  # sequenced reads (see [Note: two ways to read])
             anchor = table[ANCHOR] if module._parameters[attr].requires_grad else table[FROZEN_ANCHOR]
-            return seq_gather(anchor, plan, index)
+            return as_tp(seq_gather(anchor, plan, index))
         if attr in table:  # inside a root call: the compute dtype, read by the graph
             phase = table[PHASE]
             if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
@@ -195,7 +206,9 @@ def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_sto
                 return kept(local, full, plan, index, phase)
             if spec.replicated:
                 return _read_replicated(table[attr], spec, plan, index, phase)
-            return _gather(table[attr], spec, plan, index, phase)
+            return as_tp(_gather(table[attr], spec, plan, index, phase))
+        if tp is not None:  # outside a root call: the shard itself, as FSDP2's (see the Note)
+            return module._parameters[attr]
         # Outside one (init, a submodule called directly, a read after
         # training): the parameter as stored, and writes to it land in the
         # shard (see [Note: writes to gathered parameters]).

@@ -95,6 +95,9 @@ class ShardParameter(DTensor):
     # The rows of the full parameter that this rank holds (``Topology.rows``),
     # given where the shard is made (``shard_parameter``).
     rows: slice
+    # A tensor-parallel parameter's: where its TP-local tensor, whose rows
+    # ``rows`` are, lies in the full one (see [Note: tensor-parallel parameters]).
+    piece: tuple[slice, ...] = ()
     # Its ``written`` key when ``to_empty`` materialized it from the meta
     # device; None otherwise.
     _empty_at: tuple | None = None
@@ -129,7 +132,7 @@ class ShardParameter(DTensor):
         # drew the same rows) and ``p.data.copy_(full)`` takes a full tensor.
         alias = self.detach()
         alias.__class__ = ShardParameter
-        alias.rows = self.rows
+        alias.rows, alias.piece = self.rows, self.piece
         return alias
 
     @data.setter
@@ -296,6 +299,7 @@ class HeldShard:
 
 def copy_rows(full: torch.Tensor, like: ShardParameter, into: torch.Tensor) -> None:
     """Copy this rank's rows of ``full`` (laid out as ``like``) into ``into``, in place."""
+    full = full[like.piece] if like.piece else full
     rows = full[like.rows] if like.dim() else full
     with torch.no_grad(), compat.disable_torch_function_subclass():
         into.copy_(rows)
@@ -305,6 +309,7 @@ def rows_of(full: torch.Tensor, like: ShardParameter) -> DTensor:
     """This rank's rows of ``full`` (all of them, replicated), as a DTensor
     laid out like ``like``; a view of ``full`` where it can be."""
     with compat.disable_torch_function_subclass():
+        full = full[like.piece] if like.piece else full
         local = full.detach()[like.rows] if full.dim() else full.detach()
     return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())  # fmt: skip
@@ -331,12 +336,12 @@ def grad_dtensor(grad: torch.Tensor, spec: Any) -> DTensor:
                               stride=spec.stride)  # fmt: skip
 
 
-def shard_parameter(shard: DTensor, requires_grad: bool, rows: slice) -> ShardParameter:
-    """``shard``, which holds ``rows`` of its parameter, as a ``ShardParameter``:
-    an ``nn.Parameter`` to torch (``isinstance(p, nn.Parameter)``),
-    registered as modules hold parameters."""
+def shard_parameter(shard: DTensor, requires_grad: bool, rows: slice, piece: tuple[slice, ...] = ()) -> ShardParameter:
+    """``shard``, which holds ``rows`` of its parameter (of its TP-local
+    tensor at ``piece``), as a ``ShardParameter``: an ``nn.Parameter`` to
+    torch (``isinstance(p, nn.Parameter)``), registered as modules hold parameters."""
     param = ShardParameter(compat.local_tensor(shard), compat.dtensor_spec(shard), requires_grad=requires_grad)
-    param.rows = rows
+    param.rows, param.piece = rows, piece
     compat.mark_parameter(param)
     return param
 
@@ -353,16 +358,23 @@ def slot_backed(shard: DTensor, topology: Topology) -> DTensor:
 
 def shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> ShardParameter:
     """``full`` as this rank's DTensor on the mesh: replicated on every
-    dimension but the shard dimension, where ``spec`` says."""
+    dimension but the shard dimension, where ``spec`` says. A
+    tensor-parallel parameter (a DTensor) is sharded as its TP-local tensor,
+    on the (dp, tp) mesh (see [Note: tensor-parallel parameters])."""
+    tp = spec.tp
+    if tp is not None:
+        full = compat.local_tensor(full)
     # Shards are row-major whatever the parameter's strides (``nn.Parameter(w.t())``):
     # units, collectives and rows-of-a-full-value copies all assume it.
     full = full.detach().contiguous()
+    shape, stride = (torch.Size(tp.shape), tp.stride) if tp is not None else (full.shape, full.stride())
+    mesh, piece = topology.spmd_mesh(tp), tp.piece() if tp is not None else ()
     rows = topology.rows(spec.dim0, sharded=not spec.replicated)
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
-        dt = DTensor.from_local(full, topology.mesh, topology.placements(sharded=False), run_check=False,
-                                shape=full.shape, stride=full.stride())  # fmt: skip
-        return shard_parameter(dt, spec.requires_grad, rows)
+        dt = DTensor.from_local(full, mesh, topology.placements(False, tp), run_check=False, shape=shape,
+                                stride=stride)  # fmt: skip
+        return shard_parameter(dt, spec.requires_grad, rows, piece)
     local = in_slot(full[rows], full.shape, topology.shard.size)  # see Units.rehome
-    dt = DTensor.from_local(local, topology.mesh, topology.placements(sharded=True), run_check=False,
-                            shape=full.shape, stride=full.stride())  # fmt: skip
-    return shard_parameter(dt, spec.requires_grad, rows)
+    dt = DTensor.from_local(local, mesh, topology.placements(True, tp), run_check=False, shape=shape,
+                            stride=stride)  # fmt: skip
+    return shard_parameter(dt, spec.requires_grad, rows, piece)

@@ -228,7 +228,8 @@ def shard_parameters(
     state = RootState(shards, model_runtime, sequenced, gathered, topology, fqns)
     watch_unsynced(state)
     for mod, attrs in per_module.items():
-        props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id)
+        props = {a: gathering_property(a, spec, index[spec.fqn], table.id, state.stored_table.id,
+                                       topology.tp_mesh(spec.tp.mesh_dims).mesh if spec.tp else None)
                  for a, spec in attrs.items()}  # fmt: skip
         _swap_class(mod, props, state, root=mod is model)
     watch(model, shards.held_ids)  # see [Note: parameters join before compile]

@@ -49,7 +49,8 @@ def shard_embedding_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> R
         val = example_value(node)
         # Outside the SYNC phase the gradient is accumulated, not reduced: the
         # table is gathered (see [Note: accumulation without sync]).
-        if p.world_size == 1 or val is None or val.dim() != 2 or phase_of(node) != SYNC:
+        # A tensor-parallel table is looked up by TP's own masked lookup, on a DTensor.
+        if p.world_size == 1 or p.tp is not None or val is None or val.dim() != 2 or phase_of(node) != SYNC:
             continue
         lookups = [(user, _plain_lookup(user, node)) for user in node.users]
         if any(ids is None for _, ids in lookups):

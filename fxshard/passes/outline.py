@@ -24,7 +24,10 @@ it once; the calls take the layer's gathered weights as inputs.
   inline, as is one with effects torch cannot replay (in-place ops on
   inputs, RNG, autocast or grad-mode changes, vmap levels,
   ``get_attr``/``call_module`` nodes), or one interleaved with such an effect
-  that would have to move.
+  that would have to move. A block that makes or converts DTensors (tensor
+  parallelism's hooks and reads, see [Note: tensor-parallel parameters])
+  stays inline too: torch cannot trace ``from_local``'s autograd function
+  inside a body (it has no ``setup_context``).
 - Saved weights: inside a body a weight is an input, which the body's
   partition saves for backward as an output of the forward call. The
   ``tag_unshard`` pass then routes the backward call to the outer unshard
@@ -53,6 +56,7 @@ from fxshard.runtime import compat
 
 _INDEX = re.compile(r"^(?:(.*)\.)?(\d+)$")
 _HOP = compat.invoke_subgraph_op()
+_DTENSOR_METHODS = frozenset({"to_local", "redistribute", "full_tensor"})
 _RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
                      "normal", "multinomial", "uniform", "rrelu", "poisson"})  # fmt: skip
 
@@ -124,8 +128,11 @@ def _replayable(node: fx.Node) -> bool:
         return False  # in place, or random
     if str(node.target).startswith("fxshard."):  # an fxshard op (OpOverload or packet)
         return False  # a collective: the unit passes must see it
-    if getattr(node.target, "__module__", "").startswith("torch._functorch"):
+    module = getattr(node.target, "__module__", None) or ""
+    if module.startswith("torch._functorch"):
         return False  # vmap levels and batch dims (dynamo inlines torch.vmap): tracer state, not data
+    if module.startswith("torch.distributed") or name in _DTENSOR_METHODS:
+        return False  # a DTensor's conversions (tensor parallelism): see the Note
     return not (compat.is_higher_order_op(node.target) or "autocast" in name or "grad" in name)
 
 

@@ -66,6 +66,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fxshard.runtime.tensor_parallel import TPLayout
+
 
 class Placement(enum.Enum):
     SHARD = "Shard(0)"
@@ -108,6 +110,9 @@ class ParamPlan:
     device: torch.device
     replicas: int = 1  # HSDP: copies across the mesh's replicate dimension (see [Note: HSDP])
     replica_group_name: str = ""  # HSDP: the group across them, over which gradients are averaged too
+    # A tensor-parallel parameter's layout on its TP mesh; then ``shape`` and
+    # ``dim0`` are its TP-local tensor's (see [Note: tensor-parallel parameters]).
+    tp: TPLayout | None = None
 
     @property
     def replicated(self) -> bool:
@@ -130,7 +135,8 @@ class ParamPlan:
 
     def describe(self) -> str:
         dtypes = f"{_dtype(self.gather_dtype)}/{_dtype(self.summed_dtype)}"
-        return (f"{self.fqn} {list(self.shape)} {_dtype(self.shard_dtype)}: {placement_text(self)}, "
+        shape = f"{list(self.shape)}" if self.tp is None else f"{list(self.tp.shape)} (TP-local {list(self.shape)})"
+        return (f"{self.fqn} {shape} {_dtype(self.shard_dtype)}: {placement_text(self)}, "
                 f"compute/reduce {dtypes}, gradient {reduce_text(self)}, gathered value {self.lifetime.value}")  # fmt: skip
 
 
@@ -204,6 +210,9 @@ class Param:
 
 
 def placement_text(p: ParamPlan) -> str:
+    if p.tp is not None:  # FSDP2's placements on (dp, tp), as the shard's DTensor has them
+        dp = "_StridedShard(0)" if p.placement is Placement.SHARD and p.tp.shards_dim0() else p.placement.value
+        return f"({dp}, {p.tp.text()})"
     return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
 
 

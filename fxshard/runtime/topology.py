@@ -22,6 +22,10 @@ everything else takes the topology, or the plain names and sizes it gives:
   every compile on the same mesh group (``reduce_group``, ``count_group``,
   ``check_groups``): a new NCCL communicator per compile would hold GPU
   memory for the life of the process.
+- ``tensor_parallel``: the TP meshes of parameters that are already
+  DTensors (see [Note: tensor-parallel parameters]), each with the (dp, tp)
+  mesh their shards live on; checked here to be orthogonal slices of one
+  mesh whose ranks they cover together with the data-parallel mesh.
 The mesh may be a slice of a larger one, ``mesh["dp"]`` of a (dp, tp) mesh,
 as FSDP2 takes it: each rank's slice holds only its own coordinate's ranks,
 so ``from_mesh`` gathers every rank's groups (one collective over all
@@ -49,6 +53,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from fxshard.runtime import compat, rank_checks
 from fxshard.runtime.collectives import Replicas, shard_range
+from fxshard.runtime.tensor_parallel import TPLayout
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,19 @@ class Group:
         return self.size > 1 and self.backend != "fake"
 
 
+@dataclass(frozen=True, eq=False)
+class TPMesh:
+    """The TP mesh of tensor-parallel parameters (see [Note: tensor-parallel
+    parameters]) and the (dp, tp) mesh their shards live on."""
+
+    mesh: DeviceMesh  # 1-D, the parameters' own
+    spmd: DeviceMesh  # the data-parallel mesh's dimensions, then the TP mesh's
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return tuple(self.mesh.mesh_dim_names)
+
+
 # Side groups made so far, per shard (or replicate) process group and kind.
 _SIDE_GROUPS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 # Compiles so far per world group: every rank compiles the same models in the
@@ -99,10 +117,12 @@ class Topology:
     # so a side group beside this rank's is made beside every rank's.
     _shard_groups: list[list[int]]
     _replicate_groups: list[list[int]]
+    tensor_parallel: tuple[TPMesh, ...] = ()
 
     @staticmethod
-    def from_mesh(mesh: DeviceMesh) -> Topology:
-        """Validate ``mesh`` (raising ``ValueError`` that names the fix) and read it."""
+    def from_mesh(mesh: DeviceMesh, tp_meshes: tuple[DeviceMesh, ...] = ()) -> Topology:
+        """Validate ``mesh`` and the TP meshes of parameters that are
+        DTensors (raising ``ValueError`` that names the fix) and read them."""
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
         if mesh.ndim not in (1, 2):
@@ -123,20 +143,44 @@ class Topology:
         replicas = None
         if mesh.ndim == 2 and mesh.size(0) > 1:
             replicas = Replicas(mesh.size(0), mesh.get_group(0).group_name)
+        tensor_parallel = tuple(_tp_mesh(mesh, tp) for tp in tp_meshes)
         groups = _groups_of_every_rank(mesh)
         return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(compat.flat_mesh(mesh)), shard_mesh,
-                        groups[-1], groups[0])  # fmt: skip
+                        groups[-1], groups[0], tensor_parallel)  # fmt: skip
 
     @property
     def shard_mesh(self) -> DeviceMesh:
         """The 1-D mesh parameters are sharded over (DTensor APIs take it)."""
         return self._shard_mesh
 
-    def placements(self, sharded: bool) -> list[Placement]:
+    def placements(self, sharded: bool, tp: TPLayout | None = None) -> list[Placement]:
         """A parameter's DTensor placements on ``mesh``: replicated on every
-        dimension but the shard dimension, where it is sharded on dim 0 or whole."""
+        dimension but the shard dimension, where it is sharded on dim 0 or whole.
+        A tensor-parallel one's (``tp``) on ``spmd_mesh(tp)``: FSDP2's, its
+        TP placements after the shard dimension's, which is a
+        ``_StridedShard`` where TP already shards dim 0 (see [Note:
+        tensor-parallel parameters])."""
         outer: list[Placement] = [Replicate()] * (self.mesh.ndim - 1)
-        return [*outer, Shard(0) if sharded else Replicate()]
+        if tp is None:
+            return [*outer, Shard(0) if sharded else Replicate()]
+        dp: Placement = Replicate()
+        if sharded:
+            dp = compat.strided_shard(0, tp.size) if tp.shards_dim0() and tp.size > 1 else Shard(0)
+        return [*outer, dp, *tp.placements]
+
+    def spmd_mesh(self, tp: TPLayout | None) -> DeviceMesh:
+        """The mesh a parameter's shard lives on: ``mesh``, or for a
+        tensor-parallel one, ``mesh`` and its TP mesh concatenated."""
+        return self.mesh if tp is None else self.tp_mesh(tp.mesh_dims).spmd
+
+    def tp_mesh(self, dims: tuple[str, ...]) -> TPMesh:
+        return next(t for t in self.tensor_parallel if t.dims == dims)
+
+    def tp_layout(self, param: Any) -> TPLayout:
+        """A DTensor parameter's layout on its TP mesh (one of ``tensor_parallel``)."""
+        tp = self.tp_mesh(tuple(param.device_mesh.mesh_dim_names))
+        return TPLayout(tp.dims, tp.mesh.size(), tp.mesh.get_local_rank(), tuple(param.placements),
+                        tuple(param.shape), tuple(param.stride()))  # fmt: skip
 
     def rows(self, dim0: int, sharded: bool = True) -> slice:
         """The rows of a parameter's ``dim0`` rows that this rank holds: its
@@ -189,6 +233,55 @@ class Topology:
     def _shard_side_group(self, kind: str, backend: str | None = None) -> Any:
         """The ``kind`` group over the ranks of this rank's shard group."""
         return _side_group(self.shard.pg, kind, self._shard_groups, backend)
+
+
+def _tp_mesh(mesh: DeviceMesh, tp: DeviceMesh) -> TPMesh:
+    """``tp``, the mesh of tensor-parallel parameters, checked against
+    ``mesh``, the data-parallel one: 1-D, named, another dimension of the
+    same mesh, and together with ``mesh`` over every rank, so that the
+    ranks holding one TP piece are exactly a data-parallel group."""
+    names = tp.mesh_dim_names
+    groups = {mesh.get_group(dim).group_name for dim in range(mesh.ndim)}
+    same_names = set(names or ()) & set(mesh.mesh_dim_names or ())
+    if same_names or any(tp.get_group(dim).group_name in groups for dim in range(tp.ndim)):
+        raise ValueError(
+            f"parameters are already sharded over the mesh passed to fxshard.compile ({names or tuple(tp.shape)}); "
+            "fxshard shards plain parameters over it. Pass the model before fully_shard or distribute_tensor; "
+            "for tensor parallelism, pass the data-parallel dimension beside the TP one, mesh['dp'] of a (dp, tp) mesh"
+        )
+    if tp.ndim != 1 or names is None:
+        raise ValueError(
+            f"fxshard shards tensor-parallel parameters on a 1-D TP mesh with a named dimension; this one is "
+            f"{tp.ndim}-D {tuple(tp.shape)} named {names} (EP with TP, or TP over 2 dimensions, is not supported). "
+            "Apply parallelize_module on mesh['tp'] of init_device_mesh(device_type, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp'))"
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"HSDP with tensor parallelism (a {mesh.ndim}-D data-parallel mesh {mesh.mesh_dim_names} beside the "
+            f"TP mesh {names}) is not supported yet; pass a 1-D data-parallel mesh, mesh['dp'] of a (dp, tp) mesh"
+        )
+    if mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"the data-parallel mesh needs a named dimension beside the TP mesh {names}: pass mesh['dp'] of "
+            "init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+        )
+    try:
+        spmd = compat.concatenate_meshes([mesh, tp])
+    except RuntimeError as error:
+        raise ValueError(
+            f"the TP mesh {names} and the data-parallel mesh {mesh.mesh_dim_names} must be dimensions of one "
+            f"mesh (torch says: {error}); make both from one init_device_mesh(device_type, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')): mesh['dp'] and mesh['tp']"
+        ) from error
+    if spmd.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"the data-parallel mesh {mesh.mesh_dim_names} ({mesh.size()}) and the TP mesh {names} "
+            f"({tp.size()}) cover {spmd.mesh.numel()} of the {dist.get_world_size()} ranks; fxshard supports "
+            "tensor parallelism on a (dp, tp) mesh over every rank (pipeline or context parallelism beside it "
+            "is not supported)"
+        )
+    return TPMesh(tp, spmd)
 
 
 def _groups_of_every_rank(mesh: DeviceMesh) -> list[list[list[int]]]:

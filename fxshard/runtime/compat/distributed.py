@@ -14,6 +14,7 @@ __all__ = [
     "all_gather_coalesced_async",
     "all_reduce_async",
     "call_before_destroy",
+    "concatenate_meshes",
     "default_store",
     "fake_store",
     "flat_mesh",
@@ -64,6 +65,21 @@ def flat_mesh(mesh: Any) -> Any:
     if flatten is None:
         raise NotImplementedError(f"this torch ({torch.__version__}) cannot flatten a DeviceMesh; HSDP needs it")
     return flatten()
+
+
+def concatenate_meshes(meshes: list[Any]) -> Any:
+    """One mesh whose dimensions are those of ``meshes``, slices of one root
+    mesh, in order: FSDP2's mesh of a TP parameter, (dp, tp) (private
+    ``DeviceMesh._concatenate``). Raises ``RuntimeError`` where the slices
+    come from different roots or overlap."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:
+        raise NotImplementedError(
+            f"this torch ({torch.__version__}) cannot concatenate DeviceMeshes; tensor-parallel parameters need it"
+        )
+    return concatenate(list(meshes))
 
 
 def group_backend(group_name: str) -> str:

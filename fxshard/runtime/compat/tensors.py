@@ -15,11 +15,13 @@ __all__ = [
     "dtensor_of_spec",
     "dtensor_spec",
     "foreach_copy_",
+    "is_strided_shard",
     "local_tensor",
     "local_tensor_getter",
     "mark_parameter",
     "register_foreach_type",
     "replace_local_tensor",
+    "strided_shard",
 ]
 
 
@@ -123,3 +125,27 @@ def assert_async(ok: torch.Tensor, message: str) -> None:
     without a host sync: a device-side assert, as an out-of-range index in
     ``F.embedding`` raises on GPU."""
     torch._assert_async(ok, message)
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """DTensor's ``_StridedShard(dim, split_factor=...)`` (private): the
+    data-parallel placement of a dimension that TP already shards into
+    ``split_factor`` pieces, each piece cut again (FSDP2's layout of such a
+    parameter; see [Note: tensor-parallel parameters])."""
+    from torch.distributed.tensor import placement_types
+
+    cls = getattr(placement_types, "_StridedShard", None)
+    if cls is None:
+        raise NotImplementedError(
+            f"this torch ({torch.__version__}) has no _StridedShard placement; a tensor-parallel parameter "
+            "sharded on dim 0 needs it"
+        )
+    return cls(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is a ``_StridedShard`` (a subclass of ``Shard`` to torch)."""
+    from torch.distributed.tensor import placement_types
+
+    cls = getattr(placement_types, "_StridedShard", None)
+    return cls is not None and isinstance(placement, cls)

@@ -1,0 +1,79 @@
+"""Parameters that tensor parallelism already sharded: their layout on the TP mesh.
+
+[Note: tensor-parallel parameters]
+A model given to ``fxshard.compile(model, mesh["dp"])`` after
+``parallelize_module(model, mesh["tp"], plan)`` holds some parameters as
+DTensors on the 1-D tp mesh, ``Shard(k)`` or ``Replicate()``. fxshard takes
+them as FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` does:
+- The **TP-local tensor** (the DTensor's local tensor, this TP rank's piece
+  of the parameter) is what fxshard shards over dp, by its rows, with the
+  one row rule of every other parameter (``Topology.rows``). A plan's
+  ``shape`` and ``dim0`` are the TP-local tensor's: what a read marker
+  gathers and returns, what units lay out; ``tp.shape`` is the parameter's
+  global shape.
+- The **shard** is a DTensor on the concatenated (dp, tp) mesh with the
+  global shape and FSDP2's placements: ``(Shard(0), *tp)``, or
+  ``(_StridedShard(0, split_factor=tp), *tp)`` where TP already shards dim 0
+  (rows are cut by TP first, then by dp: exactly that layout, uneven sizes
+  included). Optimizers, ``clip_grad_norm_``, state dicts and DCP see it as
+  they see FSDP2's.
+- A **read** inside the root call gathers the TP-local tensor (the usual
+  marker, on the dp group) and wraps it as the TP module expects it:
+  ``DTensor.from_local(gathered, tp_mesh, tp_placements, shape=global,
+  stride=global)``, as SimpleFSDP does. TP modules compute exactly as before
+  compile, with TP's own collectives, which fxshard's passes leave alone.
+  Returning the plain TP-local tensor would let a module compute on a piece
+  silently (a row-wise output would lose its all-reduce).
+- The **gradient** leaves ``from_local``'s backward TP-complete (a
+  ``Partial`` one all-reduced over tp, as FSDP2's ``_get_grad_inner_tensor``
+  does) and is reduce-scattered over dp as any other; the shard's ``.grad``
+  is a DTensor laid out as the shard.
+- A read **outside** a root call returns the shard itself, as FSDP2's
+  ``module.weight`` outside forward does: fxshard's gathered values (and
+  writes through them, see [Note: writes to gathered parameters]) are plain
+  tensors, which cannot stand in for a TP DTensor. Writes to the shard
+  (``copy_`` of a full tensor, ``nn.init``) land in this rank's piece.
+What is not supported raises at compile (``fxshard/api.py``,
+docs/limits.md): HSDP with TP, TP meshes of more than one dimension,
+``Partial`` or ``_StridedShard`` inputs, ZeRO-1, replicated (``no_shard``,
+frozen unsharded or 0-dimensional) TP parameters, models already under
+FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fxshard.runtime.collectives import shard_range
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """A tensor-parallel parameter's layout on its TP mesh: plain values
+    (a plan's content is hashed by its repr, see [Note: markers name the
+    plan]); the mesh itself is the topology's."""
+
+    mesh_dims: tuple[str, ...]  # the TP mesh's dimension names
+    size: int  # ranks of the TP mesh
+    coordinate: int  # this rank's index on it
+    placements: tuple[Any, ...]  # DTensor placements on it: Shard(k) or Replicate()
+    shape: tuple[int, ...]  # the parameter's global shape
+    stride: tuple[int, ...]  # and stride
+
+    def piece(self) -> tuple[slice, ...]:
+        """Where this rank's TP-local tensor lies in the global one: on each
+        dimension TP shards, DTensor's ``torch.chunk`` split, the same rule
+        as ``shard_range``."""
+        index = [slice(None)] * len(self.shape)
+        for placement in self.placements:
+            if placement.is_shard():
+                dim = placement.dim % len(self.shape)
+                index[dim] = slice(*shard_range(self.shape[dim], self.size, self.coordinate))
+        return tuple(index)
+
+    def shards_dim0(self) -> bool:
+        return any(p.is_shard() and p.dim % len(self.shape) == 0 for p in self.placements)
+
+    def text(self) -> str:
+        return f"{', '.join(map(str, self.placements))} on {'x'.join(self.mesh_dims)} ({self.size})"

@@ -1,0 +1,190 @@
+"""FSDP + TP training against an unsharded reference and against FSDP2 + the same TP plan, inside each rank.
+
+The mesh is (dp, tp) over every rank. Each rank trains three copies of one
+model, all loaded from the same full weights:
+- fxshard: ``parallelize_module`` on ``mesh["tp"]``, then ``fxshard.compile(model, mesh["dp"])``;
+- FSDP2: the same TP plan, then ``fully_shard(model, mesh=mesh["dp"])``;
+- the reference: the full model, unsharded, on every rank. It runs every
+  data-parallel rank's batch and averages their losses: what data-parallel
+  training must compute. The ranks of one TP group (one dp index) see the
+  same batch.
+Loss, every gradient (``full_tensor()``), the parameters after each AdamW
+step and the placements must match; mismatches are collected, not raised,
+so that every rank finishes the run and issues the same collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fxshard
+from examples.llama import lm_loss
+from tests.helpers import tp_models
+from tests.helpers.parity import run_each
+
+
+@dataclass(frozen=True)
+class TPScenario:
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    compile_kwargs: dict = field(default_factory=dict)
+    tp: int = 2
+    steps: int = 3
+    atol: float = 2e-5
+    rtol: float = 1e-4
+    # bf16: Adam turns rounding noise on a near-zero gradient into a full
+    # +-lr step, so a few elements may differ; allow this fraction of them.
+    outlier_fraction: float = 0.0
+    # Against the fp32 reference only loss and gradients, loosely, where
+    # fxshard computes in bf16 (FSDP2 is compared at the scenario's tolerance).
+    reference_atol: float | None = None
+    fsdp2: bool = True  # False where FSDP2 fails the case (say why)
+
+
+def _tokens(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 131, (2, 9), generator=gen)
+
+
+def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+LLAMA = dict(make_model=tp_models.TPLlama, make_batch=_tokens, loss=lm_loss)
+LLAMA1 = dict(LLAMA, make_model=functools.partial(tp_models.TPLlama, layers=1))  # compile time: 1 layer
+ODD = dict(make_model=tp_models.OddMLP, make_batch=lambda g: torch.randn(3, 6, generator=g), loss=_mse)
+BF16 = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
+BF16_TOLERANCES = dict(atol=3e-2, rtol=3e-2, outlier_fraction=0.01, reference_atol=5e-2)
+SCENARIOS: dict[str, TPScenario] = {
+    # Attention and MLP column- then row-wise, a vocab-parallel embedding and
+    # a column-wise output (vocab 131: uneven TP pieces), ZeRO-3.
+    "llama": TPScenario(**LLAMA1, compile_kwargs=dict(backend="aot_eager")),
+    "llama_2_layers": TPScenario(**LLAMA, compile_kwargs=dict(backend="aot_eager")),
+    # Out features 10, 11 and 3 (an empty shard), biases, a plain layer
+    # among tensor-parallel ones; ZeRO-2, then small units with prefetch.
+    "odd_zero2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", zero_stage=2)),
+    "odd_units": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", unit_mb=1e-4, prefetch=2)),
+    # dp 1: the data-parallel group is this rank alone (collectives skipped).
+    # The head's out features 3 leave TP rank 3 a piece of 0 rows, which
+    # FSDP2 fails to reduce (torch 2.13: "_chunk_cat expects non-empty tensor").
+    "odd_dp1_tp4": TPScenario(
+        make_model=functools.partial(tp_models.OddMLP, hidden=12),
+        make_batch=ODD["make_batch"],
+        loss=_mse,
+        compile_kwargs=dict(backend="aot_eager"),
+        tp=4,
+        fsdp2=False,
+    ),
+    "odd_dp1_tp2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager")),  # at 2 ranks
+    "llama_inductor": TPScenario(**LLAMA, compile_kwargs=dict(backend="inductor")),
+    "llama_zero2": TPScenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", zero_stage=2)),
+    "llama_bf16": TPScenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", mp_policy=BF16), **BF16_TOLERANCES),
+    "llama_bf16_inductor": TPScenario(
+        **LLAMA, compile_kwargs=dict(backend="inductor", mp_policy=BF16), **BF16_TOLERANCES
+    ),  # fmt: skip
+}
+
+
+def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
+    """Each named scenario, from a clean dynamo; None (passed) or what differed."""
+
+    def run(rank: int, world_size: int, name: str) -> None:
+        found = train_and_compare(rank, world_size, SCENARIOS[name])
+        assert not found, "\n".join(found[:20])
+
+    return run_each(rank, world_size, names, run)
+
+
+class Mismatches:
+    """Differences found, by where; compared per rank, raised after the run."""
+
+    def __init__(self, sc: TPScenario) -> None:
+        self.sc, self.found = sc, []
+
+    def close(self, actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float | None = None) -> None:
+        atol = self.sc.atol if atol is None else atol
+        rtol = self.sc.rtol if atol == self.sc.atol else atol
+        actual, expected = actual.float(), expected.float()
+        if self.sc.outlier_fraction:
+            off = ~torch.isclose(actual, expected, atol=atol, rtol=rtol)
+            if off.float().mean() > self.sc.outlier_fraction or not torch.isfinite(actual).all():
+                self.found.append(f"{what}: {int(off.sum())}/{off.numel()} elements differ")
+            return
+        try:
+            torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+        except AssertionError as error:
+            self.found.append(f"{what}: {error}")
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.found.append(what)
+
+
+def _fsdp2(model: nn.Module, dp_mesh: Any, kwargs: dict) -> nn.Module:
+    mp = kwargs.get("mp_policy")
+    policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype) if mp is not None else MixedPrecisionPolicy()
+    reshard = kwargs.get("zero_stage", 3) == 3
+    if isinstance(model, tp_models.TPLlama):
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
+    """Train ``sc`` three ways (see the module docstring); return the differences."""
+    tp = sc.tp
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    dp, dp_rank = world_size // tp, rank // tp
+    torch.manual_seed(0)
+    ref = sc.make_model()
+    full = ref.state_dict()
+    copies = []
+    for _ in range(2 if sc.fsdp2 else 1):
+        model = sc.make_model()
+        model.load_state_dict(full)
+        copies.append(tp_models.parallelize(model, mesh["tp"]))
+    model = fxshard.compile(copies[0], mesh["dp"], **sc.compile_kwargs)
+    others = [_fsdp2(copies[1], mesh["dp"], sc.compile_kwargs)] if sc.fsdp2 else []
+    found = Mismatches(sc)
+    for other in others:
+        for (name, p), q in zip(model.named_parameters(), other.parameters()):
+            found.check((p.placements, p.device_mesh.mesh_dim_names) == (q.placements, q.device_mesh.mesh_dim_names),
+                        f"{name}: placements {p.placements} on {p.device_mesh.mesh_dim_names}, FSDP2's "
+                        f"{q.placements} on {q.device_mesh.mesh_dim_names}")  # fmt: skip
+    # eps=1e-6: see tests/helpers/parity.py (fp32 reduction-order noise near 1e-8).
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, *others, ref)]
+    for step in range(sc.steps):
+        batches = [sc.make_batch(torch.Generator().manual_seed(1000 * step + 10 * d)) for d in range(dp)]
+        losses = []
+        for m in (model, *others):
+            losses.append(sc.loss(m(batches[dp_rank]), batches[dp_rank]))
+            losses[-1].backward()
+        ref_losses = [sc.loss(ref(b), b) for b in batches]
+        (sum(ref_losses) / dp).backward()
+        found.close(losses[0].detach(), ref_losses[dp_rank].detach(), f"step {step} loss", sc.reference_atol)
+        for other_loss in losses[1:]:
+            found.close(losses[0].detach(), other_loss.detach(), f"step {step} loss against FSDP2")
+        for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
+            grad = p.grad.full_tensor()
+            found.check(p.grad.placements == p.placements, f"step {step} {name}: grad placed {p.grad.placements}")
+            found.close(grad, r.grad, f"step {step} grad of {name}", sc.reference_atol)
+            for other in q:
+                found.close(grad, other.grad.full_tensor(), f"step {step} grad of {name} against FSDP2")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
+        value = p.detach().full_tensor()
+        if sc.reference_atol is None:
+            found.close(value, r.detach(), f"{name} after {sc.steps} steps")
+        for other in q:
+            found.close(value, other.detach().full_tensor(), f"{name} after {sc.steps} steps against FSDP2")
+    return found.found

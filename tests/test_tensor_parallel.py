@@ -1,0 +1,152 @@
+"""FSDP + TP (see [Note: tensor-parallel parameters]): parity against an
+unsharded reference and FSDP2 + the same TP plan on gloo ranks, and the
+combinations fxshard refuses, each with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+import fxshard
+from fxshard.runtime import compat
+from tests.conftest import _reset
+from tests.helpers import tp_models
+from tests.helpers.distributed import check_results, run_ranks, selected
+from tests.helpers.tp_parity import run_all
+
+# CPU time on 2 cores: 4 ranks run, in one set of ranks, a 1-layer Llama
+# plan at (dp 2, tp 2) under ZeRO-3 and the odd sizes under ZeRO-2 (an empty
+# shard). Under [Note: full_cpu]: two layers, Inductor, ZeRO-2 and bf16 on the
+# Llama plan, small units with prefetch, dp 1 at tp 4 (a TP piece of 0 rows,
+# which FSDP2 fails) and (dp 1, tp 2) at 2 ranks.
+DEFAULT = {4: ("llama", "odd_zero2"), 2: ()}
+FULL_CPU = {4: ("llama_2_layers", "odd_units", "odd_dp1_tp4", "llama_zero2", "llama_inductor", "llama_bf16",
+                "llama_bf16_inductor"), 2: ("odd_dp1_tp2",)}  # fmt: skip
+
+
+def _cases() -> list:
+    return [pytest.param(ws, name, id=f"ws{ws}-{name}", marks=[pytest.mark.full_cpu] if slow else [])
+            for ws in (4, 2) for slow, names in ((False, DEFAULT[ws]), (True, FULL_CPU[ws])) for name in names]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp_run(request):
+    """Every selected scenario of one world size, in one set of ranks."""
+    world_size = request.param
+    results = run_ranks(world_size, run_all, selected(request, "name", tp_run=world_size), timeout=900)
+    check_results(results)
+    return results
+
+
+@pytest.mark.parametrize("tp_run, name", _cases(), indirect=["tp_run"], scope="module")
+def test_matches_reference_and_fsdp2(tp_run, name):
+    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(tp_run) if res[name] is not None]
+    assert not failures, "\n".join(failures)
+
+
+# Refusals: on a fake process group of 4 ranks, before anything is sharded.
+
+
+@pytest.fixture(scope="module")
+def fake_pg():
+    """One fake world for every refusal: DTensor's sharding cache keys specs
+    by mesh layout, not process group, so a parameter that parallelize_module
+    made in a later world came back on the mesh of a destroyed one (torch 2.13)."""
+    _reset()
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=4)
+    yield 4
+    _reset()
+
+
+def _tp_model(mesh) -> nn.Module:
+    return tp_models.parallelize(tp_models.OddMLP(), mesh["tp"])
+
+
+def _mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def test_refuses_zero1(fake_pg):
+    mesh = _mesh()
+    with pytest.raises(ValueError, match="zero_stage=1 with tensor-parallel parameters"):
+        fxshard.compile(_tp_model(mesh), mesh["dp"], zero_stage=1)
+
+
+@pytest.mark.parametrize("how", ["no_shard", "frozen"])
+def test_refuses_replicated_tp_parameters(fake_pg, how):
+    mesh = _mesh()
+    model = _tp_model(mesh)
+    if how == "no_shard":
+        fxshard.no_shard(model.a)
+    else:
+        model.a.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=rf"'a.weight' would be kept replicated.*\(.*{how[:6]}"):
+        fxshard.compile(model, mesh["dp"])
+
+
+def test_refuses_hsdp_with_tp(fake_pg):
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    model = tp_models.parallelize(tp_models.OddMLP(), mesh["tp"])
+    with pytest.raises(ValueError, match="HSDP with tensor parallelism"):
+        fxshard.compile(model, mesh["dp_replicate", "dp_shard"])
+
+
+@pytest.mark.parametrize("which", ["full", "tp", None])
+def test_names_the_data_parallel_mesh(fake_pg, which):
+    """The whole (dp, tp) mesh (taken for HSDP), the TP mesh itself, or none."""
+    mesh = _mesh()
+    given = {"full": mesh, "tp": mesh["tp"], None: None}[which]
+    match = "pass the data-parallel mesh" if which is None else r"already sharded over the mesh passed.*mesh\['dp'\]"
+    with pytest.raises(ValueError, match=match):
+        fxshard.compile(_tp_model(mesh), given)
+
+
+def test_refuses_a_mesh_not_covering_every_rank(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    with pytest.raises(ValueError, match="cover 2 of the 4 ranks"):
+        fxshard.compile(_tp_model(mesh), mesh["dp"])
+
+
+def test_refuses_2d_tp_and_several_tp_meshes(fake_pg):
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    model = tp_models.OddMLP()
+    model.a.weight = nn.Parameter(distribute_tensor(model.a.weight.detach(), mesh["ep", "tp"], [Shard(0), Shard(1)]))
+    with pytest.raises(ValueError, match="1-D TP mesh"):
+        fxshard.compile(model, mesh["dp"])
+    model = parallelize_module(tp_models.OddMLP(), mesh["tp"], {"a": ColwiseParallel()})
+    parallelize_module(model, mesh["ep"], {"c": ColwiseParallel()})
+    with pytest.raises(ValueError, match="one TP mesh"):
+        fxshard.compile(model, mesh["dp"])
+
+
+@pytest.mark.parametrize("placement", [Partial(), "strided"])
+def test_refuses_partial_and_strided_parameters(fake_pg, placement):
+    mesh = _mesh()
+    model = tp_models.OddMLP()
+    placement = compat.strided_shard(0, 2) if placement == "strided" else placement
+    local = model.a.weight.detach()
+    model.a.weight = nn.Parameter(DTensor.from_local(local, mesh["tp"], [placement]))
+    with pytest.raises(ValueError, match=r"'a.weight' is a DTensor placed .*Shard\(k\) or Replicate\(\)"):
+        fxshard.compile(model, mesh["dp"])
+
+
+def test_refuses_fsdp2_models(fake_pg):
+    mesh = _mesh()
+    model = fully_shard(_tp_model(mesh), mesh=mesh["dp"])
+    with pytest.raises(ValueError, match="already sharded by FSDP2's fully_shard"):
+        fxshard.compile(model, mesh["dp"])
+
+
+def test_refuses_meta_device_tp_parameters(fake_pg):
+    mesh = _mesh()
+    with torch.device("meta"):
+        model = tp_models.OddMLP()
+    model = parallelize_module(model, mesh["tp"], {"a": ColwiseParallel()})
+    with pytest.raises(ValueError, match="meta device"):
+        fxshard.compile(model, mesh["dp"])
