@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -368,7 +369,9 @@ class FXShardBackend:
 
 
 def _estimates_file(cache_key: str, captured: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    inputs = [(tuple(x.shape), x.dtype, tuple(x.stride())) if hasattr(x, "shape") else x for x in example_inputs]
+    # Not every input with a shape is a tensor: tensor parallelism's DeviceMesh.
+    inputs = [(tuple(x.shape), x.dtype, tuple(x.stride())) if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]  # fmt: skip
     key = hashlib.sha256(f"{cache_key}|{captured.code}|{inputs}".encode()).hexdigest()
     return str(Path(compat.torch_cache_dir()) / "fxshard" / "estimates" / f"{key}.json")
 

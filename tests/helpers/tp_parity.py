@@ -84,11 +84,13 @@ SCENARIOS: dict[str, TPScenario] = {
         fsdp2=False,
     ),
     "odd_dp1_tp2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager")),  # at 2 ranks
-    "llama_inductor": TPScenario(**LLAMA, compile_kwargs=dict(backend="inductor")),
+    # Sequenced reads (see [Note: two ways to read]): every read gathers eagerly.
+    "odd_eager": TPScenario(**ODD, compile_kwargs=dict(backend="eager")),
+    "llama_inductor": TPScenario(**LLAMA1, compile_kwargs=dict(backend="inductor")),
     "llama_zero2": TPScenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", zero_stage=2)),
     "llama_bf16": TPScenario(**LLAMA, compile_kwargs=dict(backend="aot_eager", mp_policy=BF16), **BF16_TOLERANCES),
     "llama_bf16_inductor": TPScenario(
-        **LLAMA, compile_kwargs=dict(backend="inductor", mp_policy=BF16), **BF16_TOLERANCES
+        **LLAMA1, compile_kwargs=dict(backend="inductor", mp_policy=BF16), **BF16_TOLERANCES
     ),  # fmt: skip
 }
 
