@@ -259,6 +259,12 @@ class CapturedStep:
         """Whether what the warm-up ran can be captured; raises if not."""
         for model in models:
             plan = model.fxshard_plan
+            if plan.topology.tensor_parallel:
+                raise ValueError(
+                    f"fxshard.cuda_graph: {type(model).__name__} has tensor-parallel parameters (see [Note: "
+                    "tensor-parallel parameters]); capturing a step with them is not supported yet. Call the step "
+                    "without fxshard.cuda_graph"
+                )
             if plan.sequenced:
                 raise ValueError(
                     f"fxshard.cuda_graph: {type(model).__name__} runs as several graphs with Python between them "

@@ -150,3 +150,49 @@ def test_refuses_meta_device_tp_parameters(fake_pg):
     model = parallelize_module(model, mesh["tp"], {"a": ColwiseParallel()})
     with pytest.raises(ValueError, match="meta device"):
         fxshard.compile(model, mesh["dp"])
+
+
+# One rank, a (1, 1) mesh: the paths of a compiled model that need no peers.
+
+
+@pytest.fixture
+def one_rank(no_dist):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = tp_models.OddMLP()
+    model = tp_models.OddMLP()
+    model.load_state_dict(full.state_dict())
+    return fxshard.compile(_tp_model_of(model, mesh), mesh["dp"], backend="aot_eager"), full
+
+
+def _tp_model_of(model, mesh):
+    return tp_models.parallelize(model, mesh["tp"])
+
+
+def test_one_rank_reads_writes_and_describes(one_rank):
+    model, full = one_rank
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), full(x))
+    # Outside a root call a TP parameter reads as its shard, as under FSDP2.
+    assert model.a.weight is model.get_parameter("a.weight")
+    assert model.a.weight.device_mesh.mesh_dim_names == ("dp", "tp")
+    # A full state dict loads into the pieces, and nn.init writes through them.
+    with torch.no_grad():
+        full.a.weight.mul_(2)
+    model.load_state_dict(full.state_dict())
+    torch.testing.assert_close(model.a.weight.full_tensor(), full.a.weight)
+    torch.manual_seed(1)
+    torch.nn.init.normal_(model.c.weight)
+    torch.manual_seed(1)
+    torch.testing.assert_close(model.c.weight.full_tensor(), torch.nn.init.normal_(torch.empty(11, 6)))
+    described = [p.describe() for p in model.fxshard_plan.params]
+    assert "a.weight [10, 6] (TP-local [10, 6]) float32: (Shard(0), Shard(dim=0) on tp (1))," in described[0], described
+
+
+def test_one_rank_cuda_graph_refuses(one_rank):
+    from fxshard import graphs
+
+    model, _ = one_rank
+    with pytest.raises(ValueError, match="tensor-parallel parameters"):
+        graphs.CapturedStep(lambda: None, 1)._check_ran([model], [])

@@ -211,7 +211,8 @@ class Param:
 
 def placement_text(p: ParamPlan) -> str:
     if p.tp is not None:  # FSDP2's placements on (dp, tp), as the shard's DTensor has them
-        dp = "_StridedShard(0)" if p.placement is Placement.SHARD and p.tp.shards_dim0() else p.placement.value
+        strided = p.placement is Placement.SHARD and p.tp.strided
+        dp = f"_StridedShard(0, sf={p.tp.size})" if strided else p.placement.value
         return f"({dp}, {p.tp.text()})"
     return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
 

@@ -72,8 +72,11 @@ class TPLayout:
                 index[dim] = slice(*shard_range(self.shape[dim], self.size, self.coordinate))
         return tuple(index)
 
-    def shards_dim0(self) -> bool:
-        return any(p.is_shard() and p.dim % len(self.shape) == 0 for p in self.placements)
+    @property
+    def strided(self) -> bool:
+        """Whether TP already cuts dim 0 into pieces, which the data-parallel
+        shards then cut again: FSDP2's ``_StridedShard(0, sf=size)``."""
+        return self.size > 1 and any(p.is_shard() and p.dim % len(self.shape) == 0 for p in self.placements)
 
     def text(self) -> str:
-        return f"{', '.join(map(str, self.placements))} on {'x'.join(self.mesh_dims)} ({self.size})"
+        return f"{', '.join(map(repr, self.placements))} on {'x'.join(self.mesh_dims)} ({self.size})"

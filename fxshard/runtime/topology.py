@@ -165,7 +165,7 @@ class Topology:
             return [*outer, Shard(0) if sharded else Replicate()]
         dp: Placement = Replicate()
         if sharded:
-            dp = compat.strided_shard(0, tp.size) if tp.shards_dim0() and tp.size > 1 else Shard(0)
+            dp = compat.strided_shard(0, tp.size) if tp.strided else Shard(0)
         return [*outer, dp, *tp.placements]
 
     def spmd_mesh(self, tp: TPLayout | None) -> DeviceMesh:
@@ -241,7 +241,8 @@ def _tp_mesh(mesh: DeviceMesh, tp: DeviceMesh) -> TPMesh:
     same mesh, and together with ``mesh`` over every rank, so that the
     ranks holding one TP piece are exactly a data-parallel group."""
     names = tp.mesh_dim_names
-    groups = {mesh.get_group(dim).group_name for dim in range(mesh.ndim)}
+    # A dimension of one rank may be the default group itself, on either mesh.
+    groups = {mesh.get_group(dim).group_name for dim in range(mesh.ndim) if mesh.size(dim) > 1}
     same_names = set(names or ()) & set(mesh.mesh_dim_names or ())
     if same_names or any(tp.get_group(dim).group_name in groups for dim in range(tp.ndim)):
         raise ValueError(

@@ -48,6 +48,11 @@ class TPScenario:
     # fxshard computes in bf16 (FSDP2 is compared at the scenario's tolerance).
     reference_atol: float | None = None
     fsdp2: bool = True  # False where FSDP2 fails the case (say why)
+    # >1: micro-batches, each with its own backward, then one optimizer step;
+    # no_sync: all but the last under set_requires_gradient_sync(False).
+    micro_batches: int = 1
+    no_sync: bool = False
+    clip_norm: float | None = None  # clip_grad_norm_ by mesh (see _clip), on every copy
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -84,6 +89,10 @@ SCENARIOS: dict[str, TPScenario] = {
         fsdp2=False,
     ),
     "odd_dp1_tp2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager")),  # at 2 ranks
+    # Gradients accumulated without sync over 2 micro-batches, then clipped.
+    "llama_no_sync_clip": TPScenario(
+        **LLAMA1, compile_kwargs=dict(backend="aot_eager"), micro_batches=2, no_sync=True, clip_norm=0.5
+    ),  # fmt: skip
     # Sequenced reads (see [Note: two ways to read]): every read gathers eagerly.
     "odd_eager": TPScenario(**ODD, compile_kwargs=dict(backend="eager")),
     "llama_inductor": TPScenario(**LLAMA1, compile_kwargs=dict(backend="inductor")),
@@ -140,6 +149,24 @@ def _fsdp2(model: nn.Module, dp_mesh: Any, kwargs: dict) -> nn.Module:
     return fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
 
 
+def _clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over parameters on several meshes, as torchtitan
+    clips them: torch's stacks every gradient's norm and refuses DTensors
+    of different meshes (the (dp, tp) mesh of tensor-parallel parameters
+    and the dp mesh of the others, under FSDP2 as under fxshard). The norm
+    of each mesh's gradients, full, then the total of those."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]))
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for grads in by_mesh.values():
+        torch._foreach_mul_(grads, coef)
+    return total
+
+
 def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
     """Train ``sc`` three ways (see the module docstring); return the differences."""
     tp = sc.tp
@@ -164,22 +191,25 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
     # eps=1e-6: see tests/helpers/parity.py (fp32 reduction-order noise near 1e-8).
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, *others, ref)]
     for step in range(sc.steps):
-        batches = [sc.make_batch(torch.Generator().manual_seed(1000 * step + 10 * d)) for d in range(dp)]
-        losses = []
-        for m in (model, *others):
-            losses.append(sc.loss(m(batches[dp_rank]), batches[dp_rank]))
-            losses[-1].backward()
-        ref_losses = [sc.loss(ref(b), b) for b in batches]
+        batches = [[sc.make_batch(torch.Generator().manual_seed(1000 * step + 10 * d + i))
+                    for i in range(sc.micro_batches)] for d in range(dp)]  # fmt: skip
+        losses = [_micro_batches(m, batches[dp_rank], sc) for m in (model, *others)]
+        ref_losses = [sum(sc.loss(ref(b), b) for b in per_rank) for per_rank in batches]
         (sum(ref_losses) / dp).backward()
-        found.close(losses[0].detach(), ref_losses[dp_rank].detach(), f"step {step} loss", sc.reference_atol)
+        found.close(losses[0], ref_losses[dp_rank].detach(), f"step {step} loss", sc.reference_atol)
         for other_loss in losses[1:]:
-            found.close(losses[0].detach(), other_loss.detach(), f"step {step} loss against FSDP2")
+            found.close(losses[0], other_loss, f"step {step} loss against FSDP2")
         for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
             grad = p.grad.full_tensor()
             found.check(p.grad.placements == p.placements, f"step {step} {name}: grad placed {p.grad.placements}")
             found.close(grad, r.grad, f"step {step} grad of {name}", sc.reference_atol)
             for other in q:
                 found.close(grad, other.grad.full_tensor(), f"step {step} grad of {name} against FSDP2")
+        if sc.clip_norm is not None:
+            norms = [_clip(list(m.parameters()), sc.clip_norm) for m in (model, *others, ref)]
+            found.check(float(norms[-1]) > sc.clip_norm, f"step {step}: the reference's norm {norms[-1]} does not clip")
+            for norm in norms[1:]:
+                found.close(norms[0], norm, f"step {step} gradient norm", sc.reference_atol)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -190,3 +220,15 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
         for other in q:
             found.close(value, other.detach().full_tensor(), f"{name} after {sc.steps} steps against FSDP2")
     return found.found
+
+
+def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: TPScenario) -> torch.Tensor:
+    """The step's loss, each micro-batch with its own backward."""
+    total = torch.zeros(())
+    for i, batch in enumerate(batches):
+        if sc.no_sync:
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        loss = sc.loss(model(batch), batch)
+        loss.backward()
+        total = total + loss.detach().float()
+    return total
