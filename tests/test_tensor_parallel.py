@@ -23,11 +23,12 @@ from tests.helpers.tp_parity import run_all
 # CPU time on 2 cores: 4 ranks run, in one set of ranks, a 1-layer Llama
 # plan at (dp 2, tp 2) under ZeRO-3 and the odd sizes under ZeRO-2 (an empty
 # shard). Under [Note: full_cpu]: two layers, Inductor, ZeRO-2 and bf16 on the
-# Llama plan, small units with prefetch, sequenced reads, dp 1 at tp 4 (a TP piece of 0 rows,
-# which FSDP2 fails) and (dp 1, tp 2) at 2 ranks.
+# Llama plan, small units with prefetch, sequenced reads, dp 1 at tp 4 (a TP
+# piece of 0 rows, which FSDP2 fails), accumulation without sync with
+# clipping, DCP across TP sizes, and (dp 1, tp 2) at 2 ranks.
 DEFAULT = {4: ("llama", "odd_zero2"), 2: ()}
-FULL_CPU = {4: ("llama_2_layers", "odd_units", "odd_eager", "odd_dp1_tp4", "llama_zero2", "llama_inductor",
-                "llama_bf16", "llama_bf16_inductor"), 2: ("odd_dp1_tp2",)}  # fmt: skip
+FULL_CPU = {4: ("llama_2_layers", "odd_units", "odd_eager", "odd_dp1_tp4", "llama_no_sync_clip", "dcp",
+                "llama_zero2", "llama_inductor", "llama_bf16", "llama_bf16_inductor"), 2: ("odd_dp1_tp2",)}  # fmt: skip
 
 
 def _cases() -> list:

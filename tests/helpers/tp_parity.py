@@ -105,9 +105,12 @@ SCENARIOS: dict[str, TPScenario] = {
 
 
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
-    """Each named scenario, from a clean dynamo; None (passed) or what differed."""
+    """Each named scenario or check, from a clean dynamo; None (passed) or what differed."""
 
     def run(rank: int, world_size: int, name: str) -> None:
+        if name in CHECKS:
+            CHECKS[name](rank, world_size)
+            return
         found = train_and_compare(rank, world_size, SCENARIOS[name])
         assert not found, "\n".join(found[:20])
 
@@ -232,3 +235,50 @@ def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: TPScenario
         loss.backward()
         total = total + loss.detach().float()
     return total
+
+
+def dcp_check(rank: int, world_size: int) -> None:
+    """DCP: a checkpoint saved at (dp 2, tp 2), after a step, loads into
+    fxshard at dp 4 without TP, at (dp 1, tp 4), and into FSDP2 at
+    (dp 2, tp 2), each holding the saved full weights; and back."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    make = functools.partial(tp_models.OddMLP, hidden=12)  # row-wise inputs even at tp 4
+    torch.manual_seed(0)
+    full = make().state_dict()
+
+    def loaded(mesh: Any, tp_mesh: Any, fsdp2: bool = False) -> nn.Module:
+        model = make()
+        model.load_state_dict(full)
+        model = tp_models.parallelize(model, tp_mesh) if tp_mesh is not None else model
+        return _fsdp2(model, mesh, {}) if fsdp2 else fxshard.compile(model, mesh, backend="aot_eager")
+
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    saved = loaded(grid["dp"], grid["tp"])
+    opt = torch.optim.AdamW(saved.parameters(), lr=1e-2)
+    saved(torch.randn(3, 6, generator=torch.Generator().manual_seed(rank // 2))).pow(2).mean().backward()
+    opt.step()
+    dcp.save(saved.state_dict(), checkpoint_id=folder[0])
+    expected = {k: v.full_tensor() for k, v in saved.state_dict().items()}
+    tp4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    for where, model in (("dp 4", loaded(init_device_mesh("cpu", (4,)), None)),
+                         ("(dp 1, tp 4)", loaded(tp4["dp"], tp4["tp"])),
+                         ("FSDP2 (dp 2, tp 2)", loaded(grid["dp"], grid["tp"], fsdp2=True))):  # fmt: skip
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=folder[0])
+        model.load_state_dict(state)
+        for key, value in model.state_dict().items():
+            what = f"{where} {key}"
+            torch.testing.assert_close(value.full_tensor(), expected[key], msg=lambda m, what=what: f"{what}: {m}")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
+
+
+CHECKS: dict[str, Callable[[int, int], None]] = {"dcp": dcp_check}
