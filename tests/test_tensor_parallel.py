@@ -21,14 +21,17 @@ from tests.helpers.distributed import check_results, run_ranks, selected
 from tests.helpers.tp_parity import run_all
 
 # CPU time on 2 cores: 4 ranks run, in one set of ranks, a 1-layer Llama
-# plan at (dp 2, tp 2) under ZeRO-3 and the odd sizes under ZeRO-2 (an empty
-# shard). Under [Note: full_cpu]: two layers, Inductor, ZeRO-2 and bf16 on the
-# Llama plan, small units with prefetch, sequenced reads, dp 1 at tp 4 (a TP
-# piece of 0 rows, which FSDP2 fails), accumulation without sync with
-# clipping, DCP across TP sizes, and (dp 1, tp 2) at 2 ranks.
-DEFAULT = {4: ("llama", "odd_zero2"), 2: ()}
-FULL_CPU = {4: ("llama_2_layers", "odd_units", "odd_eager", "odd_dp1_tp4", "llama_no_sync_clip", "dcp",
-                "llama_zero2", "llama_inductor", "llama_bf16", "llama_bf16_inductor"), 2: ("odd_dp1_tp2",)}  # fmt: skip
+# plan with sequence parallelism at (dp 2, tp 2) under ZeRO-3 and the odd
+# sizes under ZeRO-2 (an empty shard). Under [Note: full_cpu]: the plan
+# without sequence parallelism, at two layers, under Inductor, ZeRO-2, bf16
+# and activation checkpointing; small units with prefetch, sequenced reads,
+# frozen TP parameters, dp 1 at tp 4 (a TP piece of 0 rows, which FSDP2
+# fails), accumulation without sync with clipping, DCP across TP sizes, and
+# (dp 1, tp 2) at 2 ranks.
+DEFAULT = {4: ("llama_sp", "odd_zero2"), 2: ()}
+FULL_CPU = {4: ("llama", "llama_2_layers", "llama_zero2", "llama_inductor", "llama_bf16", "llama_bf16_inductor",
+                "llama_checkpoint", "odd_units", "odd_eager", "odd_frozen", "odd_dp1_tp4", "llama_no_sync_clip",
+                "dcp"), 2: ("odd_dp1_tp2",)}  # fmt: skip
 
 
 def _cases() -> list:
@@ -189,6 +192,19 @@ def test_one_rank_reads_writes_and_describes(one_rank):
     torch.testing.assert_close(model.c.weight.full_tensor(), torch.nn.init.normal_(torch.empty(11, 6)))
     described = [p.describe() for p in model.fxshard_plan.params]
     assert "a.weight [10, 6] (TP-local [10, 6]) float32: (Shard(0), Shard(dim=0) on tp (1))," in described[0], described
+
+
+def test_one_rank_debug_dump(no_dist, tmp_path):
+    """The dump of a TP model: its plan names each parameter's placements on (dp, tp)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = fxshard.compile(_tp_model_of(tp_models.OddMLP(), mesh), mesh["dp"], backend="aot_eager",
+                            debug_dir=tmp_path)  # fmt: skip
+    model(torch.randn(3, 6)).sum().backward()
+    plan = (tmp_path / "rank0" / "plan.txt").read_text()
+    assert "b.weight [6, 10] (TP-local [6, 10]) float32: (Shard(0), Shard(dim=1) on tp (1))" in plan, plan
+    assert "d.weight [6, 11] float32: Shard(0)" in plan, plan  # a plain parameter beside them
+    assert len(list((tmp_path / "rank0").iterdir())) > 1  # the graphs' dumps beside the plan
 
 
 def test_one_rank_cuda_graph_refuses(one_rank):

@@ -7,8 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from examples.llama import RMSNorm, apply_rope, rope_tables
 
@@ -56,8 +62,10 @@ class TPLlama(nn.Module):
     """An untied Llama: vocab 131 (TP pieces of 66 and 65 rows), hidden 22
     (11 per TP rank, 6 and 5 rows per data-parallel rank)."""
 
-    def __init__(self, vocab: int = 131, dim: int = 16, head_dim: int = 4, hidden: int = 22, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 131, dim: int = 16, head_dim: int = 4, hidden: int = 22, layers: int = 2,
+                 checkpoint: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.checkpoint = checkpoint  # each layer under activation checkpointing
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, head_dim, hidden) for _ in range(layers))
         self.norm = RMSNorm(dim)
@@ -69,8 +77,32 @@ class TPLlama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(layer, h, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                h = layer(h, self.rope_cos, self.rope_sin)
         return self.output(self.norm(h)).float()
+
+
+def sequence_parallel_plan(model: TPLlama) -> dict[str, object]:
+    """torchtitan's Llama TP plan with sequence parallelism: activations
+    between blocks sharded on the sequence, the norms' weights replicated
+    DTensors (their gradients partial sums over tp until reduced)."""
+    plan: dict[str, object] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.layers)):
+        plan[f"layers.{i}.attn_norm"] = plan[f"layers.{i}.mlp_norm"] = SequenceParallel()
+        plan[f"layers.{i}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None))  # fmt: skip
+        plan[f"layers.{i}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.wo", "mlp.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
 
 
 def llama_plan(model: TPLlama) -> dict[str, object]:
@@ -115,7 +147,10 @@ def odd_plan(model: OddMLP) -> dict[str, object]:
             "head": ColwiseParallel(output_layouts=Replicate())}  # fmt: skip
 
 
-def parallelize(model: nn.Module, tp_mesh: object) -> nn.Module:
+def parallelize(model: nn.Module, tp_mesh: object, sequence_parallel: bool = False) -> nn.Module:
     """``model`` with its TP plan applied on ``tp_mesh``."""
-    plan = llama_plan(model) if isinstance(model, TPLlama) else odd_plan(model)
+    if isinstance(model, TPLlama):
+        plan = sequence_parallel_plan(model) if sequence_parallel else llama_plan(model)
+    else:
+        plan = odd_plan(model)
     return parallelize_module(model, tp_mesh, plan)

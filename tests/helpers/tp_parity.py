@@ -53,10 +53,16 @@ class TPScenario:
     micro_batches: int = 1
     no_sync: bool = False
     clip_norm: float | None = None  # clip_grad_norm_ by mesh (see _clip), on every copy
+    freeze: tuple[str, ...] = ()  # parameters (name prefixes) frozen in every copy
+    sequence_parallel: bool = False  # the Llama plan with sequence parallelism
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 131, (2, 9), generator=gen)
+
+
+def _tokens8(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 131, (2, 8), generator=gen)  # sequence parallelism: even pieces of the sequence
 
 
 def _mse(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +96,17 @@ SCENARIOS: dict[str, TPScenario] = {
     ),
     "odd_dp1_tp2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager")),  # at 2 ranks
     # Gradients accumulated without sync over 2 micro-batches, then clipped.
+    # Frozen tensor-parallel parameters, sharded (shard_frozen=True).
+    "odd_frozen": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", shard_frozen=True), freeze=("a.", "c.")),
+    # Sequence parallelism: replicated norm weights, partial gradients over tp.
+    "llama_sp": TPScenario(
+        **dict(LLAMA1, make_batch=_tokens8), compile_kwargs=dict(backend="aot_eager"), sequence_parallel=True
+    ),
+    # Each layer under activation checkpointing.
+    "llama_checkpoint": TPScenario(
+        **dict(LLAMA1, make_model=functools.partial(tp_models.TPLlama, layers=1, checkpoint=True)),
+        compile_kwargs=dict(backend="aot_eager"),
+    ),  # fmt: skip
     "llama_no_sync_clip": TPScenario(
         **LLAMA1, compile_kwargs=dict(backend="aot_eager"), micro_batches=2, no_sync=True, clip_norm=0.5
     ),  # fmt: skip
@@ -179,10 +196,14 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
     ref = sc.make_model()
     full = ref.state_dict()
     copies = []
+    for name, param in ref.named_parameters():
+        param.requires_grad_(not name.startswith(sc.freeze))
     for _ in range(2 if sc.fsdp2 else 1):
         model = sc.make_model()
         model.load_state_dict(full)
-        copies.append(tp_models.parallelize(model, mesh["tp"]))
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.startswith(sc.freeze))
+        copies.append(tp_models.parallelize(model, mesh["tp"], sc.sequence_parallel))
     model = fxshard.compile(copies[0], mesh["dp"], **sc.compile_kwargs)
     others = [_fsdp2(copies[1], mesh["dp"], sc.compile_kwargs)] if sc.fsdp2 else []
     found = Mismatches(sc)
@@ -203,6 +224,9 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
         for other_loss in losses[1:]:
             found.close(losses[0], other_loss, f"step {step} loss against FSDP2")
         for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
+            if r.grad is None:
+                found.check(p.grad is None and all(o.grad is None for o in q), f"{name}: frozen, has a gradient")
+                continue
             grad = p.grad.full_tensor()
             found.check(p.grad.placements == p.placements, f"step {step} {name}: grad placed {p.grad.placements}")
             found.close(grad, r.grad, f"step {step} grad of {name}", sc.reference_atol)
