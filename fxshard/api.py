@@ -314,7 +314,11 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       [Note: HSDP] in fxshard/runtime/collectives.py). Either may be a
       slice of a larger mesh (``mesh["dp"]``), as FSDP2 takes one: each
       slice is then a data-parallel group of its own, and every rank of the
-      job must call ``compile``.
+      job must call ``compile``. Parameters that ``parallelize_module`` made
+      DTensors on ``mesh["tp"]`` of the same (dp, tp) mesh are sharded over
+      dp as their TP-local tensors, and become DTensors on the (dp, tp) mesh
+      with FSDP2's placements (see [Note: tensor-parallel parameters] and
+      docs/limits.md for what is not supported).
     - ``zero_stage``: what stays sharded between uses (3 by default). The
       optimizer state and the gradients are sharded at every stage:
       3 (FSDP2 ``reshard_after_forward=True``, Megatron-FSDP

@@ -16,6 +16,10 @@ fxshard's code and docs use these words in these meanings only:
   DTensor registered as the parameter (``ShardParameter``); a replicated
   parameter's shard is the whole tensor. Optimizers and checkpoints see
   shards.
+- **TP-local tensor**: a tensor-parallel parameter's piece on this rank's
+  TP coordinate (its DTensor's local tensor before compile). Its rows are
+  what is sharded, gathered and reduced; a plan's ``shape`` is its shape
+  (see [Note: tensor-parallel parameters]).
 - **gathered value**: a parameter's full value, all-gathered from its
   shards (in the compute dtype) for a read: the output of an
   ``fxshard::unshard`` marker in a graph, a ``GatheredParameter`` when
