@@ -421,8 +421,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     # On the instance: the class may outlive the model (see module.swap._root_methods).
     model.__dict__[PLAN] = plan
     # Full state dicts load into the shards; another rank's shards do not.
-    tp = topology.tensor_parallel
-    checkpoint.install(model, shard.rank, shard.size, tuple((t.mesh.get_local_rank(), t.mesh.size()) for t in tp))
+    checkpoint.install(model, shard.rank, shard.size, topology.tp_coordinates())
     log.info("fxshard: sharded %d parameters over %d ranks, %d replicas (%s)", len(params), shard.size,
              1 if replicas is None else replicas.size, opts.backend)  # fmt: skip
     return model

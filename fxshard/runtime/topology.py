@@ -173,6 +173,11 @@ class Topology:
         tensor-parallel one, ``mesh`` and its TP mesh concatenated."""
         return self.mesh if tp is None else self.tp_mesh(tp.mesh_dims).spmd
 
+    def tp_coordinates(self) -> tuple[tuple[int, int], ...]:
+        """This rank's (index, size) on each TP mesh: ranks of one
+        data-parallel group hold the same pieces, of one TP group not."""
+        return tuple((t.mesh.get_local_rank(), t.mesh.size()) for t in self.tensor_parallel)
+
     def tp_mesh(self, dims: tuple[str, ...]) -> TPMesh:
         return next(t for t in self.tensor_parallel if t.dims == dims)
 
