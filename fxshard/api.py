@@ -188,34 +188,24 @@ def _check_devices(model: nn.Module, expected: torch.device) -> None:
             )
 
 
-def _tp_meshes(model: nn.Module) -> tuple[DeviceMesh, ...]:
-    """The meshes of the parameters that tensor parallelism made DTensors
-    (see [Note: tensor-parallel parameters]), each once, by dimension names."""
-    meshes: dict[tuple, DeviceMesh] = {}
-    for name, param in model.named_parameters():
-        if not isinstance(param, DTensor):
-            continue
+def _tp_params(model: nn.Module) -> tuple[tuple[str, DTensor], ...]:
+    """The parameters that tensor parallelism made DTensors (see [Note:
+    tensor-parallel parameters]), by name; none on the meta device."""
+    params = tuple((name, p) for name, p in model.named_parameters() if isinstance(p, DTensor))
+    for name, param in params:
         if compat.local_tensor(param).is_meta:
             raise ValueError(
                 f"tensor-parallel parameter {name!r} is on the meta device; meta-device init with tensor "
                 "parallelism is not supported yet. Materialize and initialize the model before fxshard.compile "
                 "(model.to_empty(device=...), then its own init)"
             )
-        mesh = param.device_mesh
-        seen = meshes.setdefault(tuple(mesh.mesh_dim_names or ()), mesh)
-        if seen != mesh or len(meshes) > 1:
-            raise ValueError(
-                f"parameter {name!r} is sharded over the mesh {mesh.mesh_dim_names}, and other parameters over "
-                f"{next(iter(meshes))}; fxshard supports one TP mesh (expert parallelism, or TP over several "
-                "meshes, is not supported yet). Apply parallelize_module with one mesh, mesh['tp']"
-            )
-    return tuple(meshes.values())
+    return params
 
 
 def _topology(model: nn.Module, mesh: DeviceMesh | None) -> Topology:
     """The user's mesh (all ranks where None), read once (see [Note: topology])."""
-    tp_meshes = _tp_meshes(model)
-    if tp_meshes and mesh is None:
+    tp_params = _tp_params(model)
+    if tp_params and mesh is None:
         raise ValueError(
             "the model has tensor-parallel parameters (DTensors); pass the data-parallel mesh beside their TP "
             "mesh: fxshard.compile(model, mesh['dp']) of init_device_mesh(device_type, (dp, tp), "
@@ -227,7 +217,7 @@ def _topology(model: nn.Module, mesh: DeviceMesh | None) -> Topology:
         if device_type == "meta":  # materialized later, on this machine's accelerator if it has one
             device_type = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
         mesh = _default_mesh(device_type)
-    topology = Topology.from_mesh(mesh, tp_meshes)
+    topology = Topology.from_mesh(mesh, tp_params)
     _check_devices(model, topology.device)
     return topology
 

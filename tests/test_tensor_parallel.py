@@ -4,6 +4,8 @@ combinations fxshard refuses, each with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -213,3 +215,22 @@ def test_one_rank_cuda_graph_refuses(one_rank):
     model, _ = one_rank
     with pytest.raises(ValueError, match="tensor-parallel parameters"):
         graphs.CapturedStep(lambda: None, 1)._check_ran([model], [])
+
+
+def test_tp_ranks_form_the_same_units():
+    """Uneven TP pieces (66 and 65 rows of a vocab of 131) count alike, so
+    both TP ranks close a unit at the same parameter: with a unit of 4200
+    bytes, the 66-row piece alone (4224 bytes) would fill one."""
+    from fxshard.passes.units import form_units
+    from fxshard.runtime.plans import Param
+    from fxshard.runtime.tensor_parallel import TPLayout
+    from tests.helpers import records
+
+    formed = []
+    for coordinate, rows in ((0, 66), (1, 65)):
+        layout = TPLayout(("tp",), 2, coordinate, (Shard(0),), (131, 16), (16, 1))
+        embed = records.param(0, "embed", (rows, 16), -(-rows // 2))
+        embed = Param(0, dataclasses.replace(embed.plan, tp=layout), embed.local_rows, embed.shard)
+        params = {"embed": embed, "w": records.param(1, "w", (16, 16), 8)}
+        formed.append([[[p.fqn for p in group] for group in unit] for unit in form_units(params, ["embed", "w"], 4200)])
+    assert formed[0] == formed[1] == [[["embed", "w"]]], formed

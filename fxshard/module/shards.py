@@ -368,7 +368,7 @@ def shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> ShardPa
     # units, collectives and rows-of-a-full-value copies all assume it.
     full = full.detach().contiguous()
     shape, stride = (torch.Size(tp.shape), tp.stride) if tp is not None else (full.shape, full.stride())
-    mesh, piece = topology.spmd_mesh(tp), tp.piece() if tp is not None else ()
+    mesh, piece = topology.spmd_mesh(tp), topology.piece(tp) if tp is not None else ()
     rows = topology.rows(spec.dim0, sharded=not spec.replicated)
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
         dt = DTensor.from_local(full, mesh, topology.placements(False, tp), run_check=False, shape=shape,

@@ -53,7 +53,12 @@ def form_units(
 
 
 def _gathered_bytes(infos: Sequence[Param]) -> int:
-    return sum(math.prod(i.shape) * i.gather_dtype.itemsize for i in infos)
+    # A tensor-parallel piece counts as its share of the global size, not
+    # its own, which uneven TP pieces make differ: every TP rank then forms
+    # the same units, and fxshard's gathers and TP's collectives come in one
+    # order on each (see [Note: tensor-parallel parameters]).
+    return sum((math.prod(i.shape) if i.plan.tp is None else -(-math.prod(i.plan.tp.shape) // i.plan.tp.size))
+               * i.gather_dtype.itemsize for i in infos)  # fmt: skip
 
 
 def _fill(blocks: list[list[Param]], unit_bytes: int) -> list[list[list[Param]]]:

@@ -33,6 +33,11 @@ them as FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` does:
   writes through them, see [Note: writes to gathered parameters]) are plain
   tensors, which cannot stand in for a TP DTensor. Writes to the shard
   (``copy_`` of a full tensor, ``nn.init``) land in this rank's piece.
+- **Units** are formed from rank-independent sizes (a TP piece counts as
+  its share of the global size): TP ranks then form the same units, so
+  fxshard's gathers and TP's collectives, on different groups, are issued
+  in one order on every rank, which NCCL needs to avoid a cycle of waits.
+  The graph agreement compares the ranks of one data-parallel group only.
 What is not supported raises at compile (``fxshard/api.py``,
 docs/limits.md): HSDP with TP, TP meshes of more than one dimension,
 ``Partial`` or ``_StridedShard`` inputs, ZeRO-1, replicated (``no_shard``,
@@ -44,8 +49,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-from fxshard.runtime.collectives import shard_range
 
 
 @dataclass(frozen=True)
@@ -60,17 +63,6 @@ class TPLayout:
     placements: tuple[Any, ...]  # DTensor placements on it: Shard(k) or Replicate()
     shape: tuple[int, ...]  # the parameter's global shape
     stride: tuple[int, ...]  # and stride
-
-    def piece(self) -> tuple[slice, ...]:
-        """Where this rank's TP-local tensor lies in the global one: on each
-        dimension TP shards, DTensor's ``torch.chunk`` split, the same rule
-        as ``shard_range``."""
-        index = [slice(None)] * len(self.shape)
-        for placement in self.placements:
-            if placement.is_shard():
-                dim = placement.dim % len(self.shape)
-                index[dim] = slice(*shard_range(self.shape[dim], self.size, self.coordinate))
-        return tuple(index)
 
     @property
     def strided(self) -> bool:

@@ -120,9 +120,10 @@ class Topology:
     tensor_parallel: tuple[TPMesh, ...] = ()
 
     @staticmethod
-    def from_mesh(mesh: DeviceMesh, tp_meshes: tuple[DeviceMesh, ...] = ()) -> Topology:
-        """Validate ``mesh`` and the TP meshes of parameters that are
-        DTensors (raising ``ValueError`` that names the fix) and read them."""
+    def from_mesh(mesh: DeviceMesh, tp_params: tuple[tuple[str, Any], ...] = ()) -> Topology:
+        """Validate ``mesh`` and the TP meshes of ``tp_params``, the (name,
+        parameter) pairs that are DTensors (raising ``ValueError`` that
+        names the fix), and read them."""
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
         if mesh.ndim not in (1, 2):
@@ -143,7 +144,7 @@ class Topology:
         replicas = None
         if mesh.ndim == 2 and mesh.size(0) > 1:
             replicas = Replicas(mesh.size(0), mesh.get_group(0).group_name)
-        tensor_parallel = tuple(_tp_mesh(mesh, tp) for tp in tp_meshes)
+        tensor_parallel = tuple(_tp_mesh(mesh, tp) for tp in _tp_meshes(tp_params))
         groups = _groups_of_every_rank(mesh)
         return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(compat.flat_mesh(mesh)), shard_mesh,
                         groups[-1], groups[0], tensor_parallel)  # fmt: skip
@@ -186,6 +187,17 @@ class Topology:
         tp = self.tp_mesh(tuple(param.device_mesh.mesh_dim_names))
         return TPLayout(tp.dims, tp.mesh.size(), tp.mesh.get_local_rank(), tuple(param.placements),
                         tuple(param.shape), tuple(param.stride()))  # fmt: skip
+
+    def piece(self, tp: TPLayout) -> tuple[slice, ...]:
+        """Where this rank's TP-local tensor lies in the full parameter: on
+        each dimension TP shards, DTensor's ``torch.chunk`` split, the same
+        rule as ``rows`` (see [Note: tensor-parallel parameters])."""
+        index = [slice(None)] * len(tp.shape)
+        for placement in tp.placements:
+            if placement.is_shard():
+                dim = placement.dim % len(tp.shape)
+                index[dim] = slice(*shard_range(tp.shape[dim], tp.size, tp.coordinate))
+        return tuple(index)
 
     def rows(self, dim0: int, sharded: bool = True) -> slice:
         """The rows of a parameter's ``dim0`` rows that this rank holds: its
@@ -238,6 +250,22 @@ class Topology:
     def _shard_side_group(self, kind: str, backend: str | None = None) -> Any:
         """The ``kind`` group over the ranks of this rank's shard group."""
         return _side_group(self.shard.pg, kind, self._shard_groups, backend)
+
+
+def _tp_meshes(params: tuple[tuple[str, Any], ...]) -> tuple[DeviceMesh, ...]:
+    """The meshes of the DTensor parameters ``params``, each once, by
+    dimension names; one at most (see [Note: tensor-parallel parameters])."""
+    meshes: dict[tuple, DeviceMesh] = {}
+    for name, param in params:
+        mesh = param.device_mesh
+        seen = meshes.setdefault(tuple(mesh.mesh_dim_names or ()), mesh)
+        if seen != mesh or len(meshes) > 1:
+            raise ValueError(
+                f"parameter {name!r} is sharded over the mesh {mesh.mesh_dim_names}, and other parameters over "
+                f"{next(iter(meshes))}; fxshard supports one TP mesh (expert parallelism, or TP over several "
+                "meshes, is not supported yet). Apply parallelize_module with one mesh, mesh['tp']"
+            )
+    return tuple(meshes.values())
 
 
 def _tp_mesh(mesh: DeviceMesh, tp: DeviceMesh) -> TPMesh:
