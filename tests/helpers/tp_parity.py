@@ -240,6 +240,9 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
         for opt in opts:
             opt.step()
             opt.zero_grad()
+    # TP's DTensor code traces into one graph with fxshard's reads: no silent fall to sequenced reads.
+    eager = sc.compile_kwargs.get("backend") == "eager"
+    found.check(model.fxshard_plan.sequenced == eager, f"sequenced reads: {model.fxshard_plan.graph_break_reason}")
     for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
         value = p.detach().full_tensor()
         if sc.reference_atol is None:
