@@ -91,3 +91,18 @@ def test_nccl_zoo_seeds():
         check_results(results)
         failed = failures(results)
         assert not failed, "\n\n".join(f"seed {s}: {m}" for s, m in sorted(failed.items()))
+
+
+def test_nccl_tensor_parallel():
+    """FSDP + TP (tests/test_tensor_parallel.py's scenarios) with NCCL, where
+    fxshard's gathers and TP's collectives run on two process groups: at
+    (dp 2, tp 2) on 4 GPUs, at (dp 1, tp 2) on 2."""
+    from tests.helpers.tp_parity import run_all as tp_run_all
+
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    names = ["llama_sp", "odd_zero2", "llama_inductor", "llama_bf16_inductor", "llama_no_sync_clip", "odd_units"]
+    results = run_ranks(world, tp_run_all, names + (["odd_dp1_tp4"] if world == 4 else ["odd_dp1_tp2"]),
+                        timeout=900, backend="nccl")  # fmt: skip
+    check_results(results)
+    failures = [f"rank {r} {name}:\n{err}" for r, res in enumerate(results) for name, err in res.items() if err]
+    assert not failures, "\n".join(failures)

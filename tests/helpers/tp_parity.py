@@ -187,19 +187,26 @@ def _clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     return total
 
 
+def _device() -> torch.device:
+    """Each rank's GPU under NCCL (tests/test_gpu.py), else the CPU."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
     """Train ``sc`` three ways (see the module docstring); return the differences."""
-    tp = sc.tp
-    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    tp, device = sc.tp, _device()
+    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     dp, dp_rank = world_size // tp, rank // tp
     torch.manual_seed(0)
-    ref = sc.make_model()
+    ref = sc.make_model().to(device)
     full = ref.state_dict()
     copies = []
     for name, param in ref.named_parameters():
         param.requires_grad_(not name.startswith(sc.freeze))
     for _ in range(2 if sc.fsdp2 else 1):
-        model = sc.make_model()
+        model = sc.make_model().to(device)
         model.load_state_dict(full)
         for name, param in model.named_parameters():
             param.requires_grad_(not name.startswith(sc.freeze))
@@ -215,7 +222,7 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
     # eps=1e-6: see tests/helpers/parity.py (fp32 reduction-order noise near 1e-8).
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, *others, ref)]
     for step in range(sc.steps):
-        batches = [[sc.make_batch(torch.Generator().manual_seed(1000 * step + 10 * d + i))
+        batches = [[sc.make_batch(torch.Generator().manual_seed(1000 * step + 10 * d + i)).to(device)
                     for i in range(sc.micro_batches)] for d in range(dp)]  # fmt: skip
         losses = [_micro_batches(m, batches[dp_rank], sc) for m in (model, *others)]
         ref_losses = [sum(sc.loss(ref(b), b) for b in per_rank) for per_rank in batches]
@@ -254,7 +261,7 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
 
 def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: TPScenario) -> torch.Tensor:
     """The step's loss, each micro-batch with its own backward."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=batches[0].device)
     for i, batch in enumerate(batches):
         if sc.no_sync:
             model.set_requires_gradient_sync(i == len(batches) - 1)
