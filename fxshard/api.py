@@ -307,8 +307,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       job must call ``compile``. Parameters that ``parallelize_module`` made
       DTensors on ``mesh["tp"]`` of the same (dp, tp) mesh are sharded over
       dp as their TP-local tensors, and become DTensors on the (dp, tp) mesh
-      with FSDP2's placements (see [Note: tensor-parallel parameters] and
-      docs/limits.md for what is not supported).
+      with FSDP2's placements; with HSDP, pass ``mesh["dp_replicate",
+      "dp_shard"]`` of a (dp_replicate, dp_shard, tp) mesh (see [Note:
+      tensor-parallel parameters] and docs/limits.md for what is not
+      supported).
     - ``zero_stage``: what stays sharded between uses (3 by default). The
       optimizer state and the gradients are sharded at every stage:
       3 (FSDP2 ``reshard_after_forward=True``, Megatron-FSDP

@@ -28,17 +28,17 @@ from tests.helpers.tp_parity import run_all
 # without sequence parallelism, at two layers, under Inductor, ZeRO-2, bf16
 # and activation checkpointing; small units with prefetch, sequenced reads,
 # frozen TP parameters, dp 1 at tp 4 (a TP piece of 0 rows, which FSDP2
-# fails), accumulation without sync with clipping, DCP across TP sizes, and
-# (dp 1, tp 2) at 2 ranks.
-DEFAULT = {4: ("llama_sp", "odd_zero2"), 2: ()}
+# fails), accumulation without sync with clipping, DCP across TP sizes,
+# (dp 1, tp 2) at 2 ranks, and HSDP + TP at (2, 2, 2) on 8 ranks.
+DEFAULT = {4: ("llama_sp", "odd_zero2"), 2: (), 8: ()}
 FULL_CPU = {4: ("llama", "llama_2_layers", "llama_zero2", "llama_inductor", "llama_bf16", "llama_bf16_inductor",
                 "llama_checkpoint", "odd_units", "odd_eager", "odd_frozen", "odd_dp1_tp4", "llama_no_sync_clip",
-                "dcp"), 2: ("odd_dp1_tp2",)}  # fmt: skip
+                "dcp"), 2: ("odd_dp1_tp2",), 8: ("llama_hsdp", "odd_hsdp")}  # fmt: skip
 
 
 def _cases() -> list:
     return [pytest.param(ws, name, id=f"ws{ws}-{name}", marks=[pytest.mark.full_cpu] if slow else [])
-            for ws in (4, 2) for slow, names in ((False, DEFAULT[ws]), (True, FULL_CPU[ws])) for name in names]  # fmt: skip
+            for ws in (4, 2, 8) for slow, names in ((False, DEFAULT[ws]), (True, FULL_CPU[ws])) for name in names]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +94,6 @@ def test_refuses_replicated_tp_parameters(fake_pg, how):
         model.a.weight.requires_grad_(False)
     with pytest.raises(ValueError, match=rf"'a.weight' would be kept replicated.*\(.*{how[:6]}"):
         fxshard.compile(model, mesh["dp"])
-
-
-def test_refuses_hsdp_with_tp(fake_pg):
-    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    model = tp_models.parallelize(tp_models.OddMLP(), mesh["tp"])
-    with pytest.raises(ValueError, match="HSDP with tensor parallelism"):
-        fxshard.compile(model, mesh["dp_replicate", "dp_shard"])
 
 
 @pytest.mark.parametrize("which", ["full", "tp", None])

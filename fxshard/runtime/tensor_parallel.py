@@ -38,8 +38,12 @@ them as FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` does:
   fxshard's gathers and TP's collectives, on different groups, are issued
   in one order on every rank, which NCCL needs to avoid a cycle of waits.
   The graph agreement compares the ranks of one data-parallel group only.
+- **HSDP + TP** takes the ``(dp_replicate, dp_shard)`` submesh of a
+  ``(dp_replicate, dp_shard, tp)`` mesh, as FSDP2 does: the shard lives on
+  the 3-D mesh with ``Replicate()`` first, and the reduce-scattered
+  gradient is averaged across replicas as on any HSDP mesh.
 What is not supported raises at compile (``fxshard/api.py``,
-docs/limits.md): HSDP with TP, TP meshes of more than one dimension,
+docs/limits.md): TP meshes of more than one dimension,
 ``Partial`` or ``_StridedShard`` inputs, ZeRO-1, replicated (``no_shard``,
 frozen unsharded or 0-dimensional) TP parameters, models already under
 FSDP.

@@ -290,11 +290,6 @@ def _tp_mesh(mesh: DeviceMesh, tp: DeviceMesh) -> TPMesh:
             "Apply parallelize_module on mesh['tp'] of init_device_mesh(device_type, (dp, tp), "
             "mesh_dim_names=('dp', 'tp'))"
         )
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"HSDP with tensor parallelism (a {mesh.ndim}-D data-parallel mesh {mesh.mesh_dim_names} beside the "
-            f"TP mesh {names}) is not supported yet; pass a 1-D data-parallel mesh, mesh['dp'] of a (dp, tp) mesh"
-        )
     if mesh.mesh_dim_names is None:
         raise ValueError(
             f"the data-parallel mesh needs a named dimension beside the TP mesh {names}: pass mesh['dp'] of "

@@ -55,6 +55,7 @@ class TPScenario:
     clip_norm: float | None = None  # clip_grad_norm_ by mesh (see _clip), on every copy
     freeze: tuple[str, ...] = ()  # parameters (name prefixes) frozen in every copy
     sequence_parallel: bool = False  # the Llama plan with sequence parallelism
+    replicas: int = 1  # >1: HSDP, a (dp_replicate, dp_shard, tp) mesh
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -97,6 +98,9 @@ SCENARIOS: dict[str, TPScenario] = {
     "odd_dp1_tp2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager")),  # at 2 ranks
     # Gradients accumulated without sync over 2 micro-batches, then clipped.
     # Frozen tensor-parallel parameters, sharded (shard_frozen=True).
+    # HSDP + TP at (2, 2, 2): 8 ranks.
+    "llama_hsdp": TPScenario(**LLAMA1, compile_kwargs=dict(backend="aot_eager"), replicas=2),
+    "odd_hsdp": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", zero_stage=2), replicas=2),
     "odd_frozen": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", shard_frozen=True), freeze=("a.", "c.")),
     # Sequence parallelism: replicated norm weights, partial gradients over tp.
     "llama_sp": TPScenario(
@@ -197,7 +201,12 @@ def _device() -> torch.device:
 def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
     """Train ``sc`` three ways (see the module docstring); return the differences."""
     tp, device = sc.tp, _device()
-    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    if sc.replicas > 1:  # HSDP + TP: fxshard and FSDP2 take the (dp_replicate, dp_shard) submesh
+        grid = init_device_mesh(device.type, (sc.replicas, world_size // tp // sc.replicas, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))  # fmt: skip
+        mesh = {"dp": grid["dp_replicate", "dp_shard"], "tp": grid["tp"]}
+    else:
+        mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     dp, dp_rank = world_size // tp, rank // tp
     torch.manual_seed(0)
     ref = sc.make_model().to(device)
