@@ -46,3 +46,24 @@ def test_debug_dir_from_environment(fake_pg, tmp_path, monkeypatch):
     model = fxshard.compile(models.Uneven(), backend="aot_eager")
     model(torch.randn(3, 5)).sum().backward()
     assert (tmp_path / "rank0" / "graph0" / "summary.txt").is_file()
+
+
+def test_marks_the_models_collectives_not_fxshards():
+    """A functional collective in a dump is the model's (TP's, EP's) unless
+    fxshard's lowering made it (tests/helpers/tp_parity.py dump_marks checks
+    a TP model's dump)."""
+    from fxshard.passes.dump import format_graph
+    from fxshard.passes.lower import LOWERED
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    funcol = torch.ops._c10d_functional
+    ours = graph.call_function(funcol.all_reduce.default, (x, "sum", "7"))
+    ours.meta[LOWERED] = True
+    theirs = graph.call_function(funcol.all_reduce.default, (x, "sum", "9"))
+    wait = graph.call_function(funcol.wait_tensor.default, (theirs,))
+    graph.output((ours, wait))
+    lines = format_graph(torch.fx.GraphModule(torch.nn.Module(), graph)).splitlines()
+    assert "not fxshard's" not in lines[1], lines[1]
+    assert lines[2].endswith("# the model's collective (TP/EP), not fxshard's: group 9"), lines[2]
+    assert lines[3].endswith("# the wait of the model's collective, not fxshard's"), lines[3]

@@ -2,8 +2,9 @@
 
 Each graph file lists one node a line, ``name: dtype[shape] = op(args)``, with
 the module path the node came from (and, for fxshard's markers, the
-parameter they name) as a trailing comment, followed by the
-graph's Python code (``print_readable``).
+parameter they name; for the model's own collectives, TP's or EP's, their
+process group) as a trailing comment, followed by the graph's Python code
+(``print_readable``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxshard.passes.lower import LOWERED
 from fxshard.passes.markers import named_param
 
 
@@ -53,6 +55,20 @@ def _target_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _model_collective(node: fx.Node) -> str | None:
+    """For a functional collective that the model's own code issued (DTensor's
+    for tensor parallelism, an all-to-all for expert parallelism), the name
+    of its process group ('' for a wait); None for any other node. fxshard's
+    collectives are ``fxshard.*`` ops, or these where lowering made them."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        return None
+    if node.meta.get(LOWERED):
+        return None
+    names = [a for a in node.args if isinstance(a, str)]
+    return names[-1] if target._opname != "wait_tensor" and names else ""
+
+
 def format_graph(gm: fx.GraphModule) -> str:
     lines = []
     for node in gm.graph.nodes:
@@ -68,6 +84,9 @@ def format_graph(gm: fx.GraphModule) -> str:
         notes = [module_path(node)]
         if (param := named_param(node)) is not None:  # markers name it by (plan, index)
             notes.append(f"param {param}")
+        if (group := _model_collective(node)) is not None:
+            notes.append(f"the model's collective (TP/EP), not fxshard's: group {group}" if group else
+                         "the wait of the model's collective, not fxshard's")  # fmt: skip
         if "recompute" in node.meta:
             notes.append(f"recompute={node.meta['recompute'].name}")
         note = "; ".join(n for n in notes if n)

@@ -324,4 +324,25 @@ def dcp_check(rank: int, world_size: int) -> None:
         shutil.rmtree(folder[0])
 
 
-CHECKS: dict[str, Callable[[int, int], None]] = {"dcp": dcp_check}
+def dump_marks_check(rank: int, world_size: int) -> None:
+    """The debug dump tells TP's collectives, which stay as DTensor put them,
+    from fxshard's: each names its TP group, and no fxshard op is marked."""
+    import tempfile
+    from pathlib import Path
+
+    device = _device()
+    mesh = init_device_mesh(device.type, (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    folder = Path(tempfile.mkdtemp())
+    model = tp_models.parallelize(tp_models.OddMLP().to(device), mesh["tp"])
+    model = fxshard.compile(model, mesh["dp"], backend="aot_eager", debug_dir=folder)
+    model(torch.randn(3, 6, device=device)).pow(2).mean().backward()
+    lines = [line for path in sorted(folder.rglob("*.after.txt")) for line in path.read_text().splitlines()]
+    marked = [line for line in lines if "the model's collective (TP/EP), not fxshard's" in line]
+    group = mesh["tp"].get_group().group_name
+    assert marked and all(f"not fxshard's: group {group}" in line and "_c10d_functional." in line
+                          for line in marked), marked  # fmt: skip
+    assert any("fxshard.unit_gather(" in line for line in lines)
+    assert not any("fxshard." in line and "the model's collective" in line for line in lines)
+
+
+CHECKS: dict[str, Callable[[int, int], None]] = {"dcp": dcp_check, "dump_marks": dump_marks_check}
