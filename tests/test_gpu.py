@@ -100,7 +100,16 @@ def test_nccl_tensor_parallel():
     from tests.helpers.tp_parity import run_all as tp_run_all
 
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    names = ["llama_sp", "odd_zero2", "llama_inductor", "llama_bf16_inductor", "llama_no_sync_clip", "odd_units"]
+    names = [
+        "llama_sp",
+        "odd_zero2",
+        "llama_inductor",
+        "llama_bf16_inductor",
+        "llama_no_sync_clip",
+        "odd_units",
+        "llama_loss_parallel",
+        "llama_sp_loss_parallel",
+    ]
     results = run_ranks(world, tp_run_all, names + (["odd_dp1_tp4"] if world == 4 else ["odd_dp1_tp2"]),
                         timeout=900, backend="nccl")  # fmt: skip
     check_results(results)

@@ -147,10 +147,16 @@ def odd_plan(model: OddMLP) -> dict[str, object]:
             "head": ColwiseParallel(output_layouts=Replicate())}  # fmt: skip
 
 
-def parallelize(model: nn.Module, tp_mesh: object, sequence_parallel: bool = False) -> nn.Module:
-    """``model`` with its TP plan applied on ``tp_mesh``."""
+def parallelize(model: nn.Module, tp_mesh: object, sequence_parallel: bool = False,
+                loss_parallel: bool = False) -> nn.Module:  # fmt: skip
+    """``model`` with its TP plan applied on ``tp_mesh``; ``loss_parallel``:
+    the output's logits stay sharded on the vocabulary, a DTensor, for a
+    loss under ``torch.distributed.tensor.parallel.loss_parallel()``."""
     if isinstance(model, TPLlama):
         plan = sequence_parallel_plan(model) if sequence_parallel else llama_plan(model)
+        if loss_parallel:  # torchtitan's plan with loss parallelism
+            plan["output"] = ColwiseParallel(input_layouts=plan["output"].input_layouts[0],
+                                             output_layouts=Shard(-1), use_local_output=False)  # fmt: skip
     else:
         plan = odd_plan(model)
     return parallelize_module(model, tp_mesh, plan)

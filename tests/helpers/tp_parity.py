@@ -15,6 +15,7 @@ so that every rank finishes the run and issues the same collectives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 import fxshard
 from examples.llama import lm_loss
@@ -56,6 +59,7 @@ class TPScenario:
     freeze: tuple[str, ...] = ()  # parameters (name prefixes) frozen in every copy
     sequence_parallel: bool = False  # the Llama plan with sequence parallelism
     replicas: int = 1  # >1: HSDP, a (dp_replicate, dp_shard, tp) mesh
+    loss_parallel: bool = False  # vocab-sharded logits, the loss and backward under loss_parallel()
 
 
 def _tokens(gen: torch.Generator) -> torch.Tensor:
@@ -96,11 +100,19 @@ SCENARIOS: dict[str, TPScenario] = {
         fsdp2=False,
     ),
     "odd_dp1_tp2": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager")),  # at 2 ranks
-    # Gradients accumulated without sync over 2 micro-batches, then clipped.
-    # Frozen tensor-parallel parameters, sharded (shard_frozen=True).
+    # Loss parallelism: vocab-sharded logits into the loss, as torchtitan's loss_parallel option.
+    "llama_loss_parallel": TPScenario(**LLAMA1, compile_kwargs=dict(backend="aot_eager"), loss_parallel=True),
+    "llama_sp_loss_parallel": TPScenario(
+        **dict(LLAMA1, make_batch=_tokens8),
+        compile_kwargs=dict(backend="inductor"),
+        sequence_parallel=True,
+        loss_parallel=True,
+    ),  # fmt: skip
     # HSDP + TP at (2, 2, 2): 8 ranks.
     "llama_hsdp": TPScenario(**LLAMA1, compile_kwargs=dict(backend="aot_eager"), replicas=2),
     "odd_hsdp": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", zero_stage=2), replicas=2),
+    # Gradients accumulated without sync over 2 micro-batches, then clipped.
+    # Frozen tensor-parallel parameters, sharded (shard_frozen=True).
     "odd_frozen": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", shard_frozen=True), freeze=("a.", "c.")),
     # Sequence parallelism: replicated norm weights, partial gradients over tp.
     "llama_sp": TPScenario(
@@ -219,7 +231,7 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
         model.load_state_dict(full)
         for name, param in model.named_parameters():
             param.requires_grad_(not name.startswith(sc.freeze))
-        copies.append(tp_models.parallelize(model, mesh["tp"], sc.sequence_parallel))
+        copies.append(tp_models.parallelize(model, mesh["tp"], sc.sequence_parallel, sc.loss_parallel))
     model = fxshard.compile(copies[0], mesh["dp"], **sc.compile_kwargs)
     others = [_fsdp2(copies[1], mesh["dp"], sc.compile_kwargs)] if sc.fsdp2 else []
     found = Mismatches(sc)
@@ -274,8 +286,16 @@ def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: TPScenario
     for i, batch in enumerate(batches):
         if sc.no_sync:
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        loss = sc.loss(model(batch), batch)
-        loss.backward()
+        with loss_parallel() if sc.loss_parallel else contextlib.nullcontext():
+            logits = model(batch)
+            if sc.loss_parallel and not (
+                isinstance(logits, DTensor) and logits.placements[0].is_shard(-1 % logits.ndim)
+            ):
+                raise AssertionError(f"loss parallelism needs logits sharded on the vocabulary, got {logits!r:.200}")
+            loss = sc.loss(logits, batch)
+            loss.backward()
+        if isinstance(loss, DTensor):  # loss parallelism: a replicated DTensor
+            loss = loss.full_tensor()
         total = total + loss.detach().float()
     return total
 
