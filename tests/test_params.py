@@ -27,6 +27,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "held_values",
         "held_values_zero1",
         "storage_swaps",
+        "swap_load",
         "empty_then_stepped",
         "freeze_through_attribute",
         "zero1_fused_step",

@@ -66,6 +66,23 @@ class FXShardModule:
                 )
         super().__setattr__(name, value)
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # Under torch.__future__.set_swap_module_params_on_conversion(True),
+        # torch loads a parameter by swapping a new tensor into it
+        # (Tensor.module_load, then torch.utils.swap_tensors): the shard would
+        # become a plain DTensor that no longer knows its rows, with new
+        # autograd state (hooks registered on it gone). Without assign=True
+        # (refused for full values, see module/checkpoint.py), the swap loads
+        # the same values that a copy does, so the shards take them in place.
+        # The flag is process-wide: it is off only for this module's own
+        # tensors and back as it was before the call returns.
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        try:
+            super()._load_from_state_dict(*args, **kwargs)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+
     def get_parameter(self, target: str) -> nn.Parameter:
         # The registered parameter, the shard, as ``named_parameters()`` gives
         # it; torch's ``getattr`` would give the gathered full value and refuse it.

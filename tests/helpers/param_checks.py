@@ -331,6 +331,43 @@ def empty_then_stepped_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def swap_load_check(rank: int, world_size: int) -> dict:
+    """``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)``
+    (which some libraries set for the whole process) loads the full values into
+    the shards in place: the parameters stay the same objects and of the same
+    class, keep their hooks and their optimizer, and training goes on as the
+    unsharded model's does."""
+    torch.manual_seed(0)
+    ref = _mlp()
+    model = fxshard.compile(copy.deepcopy(ref), backend="aot_eager")
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, ref)]
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2)).to(_device())
+    seen = []
+    model.get_parameter("0.weight").register_hook(lambda grad: seen.append(grad.shape))
+    params = [(p, type(p)) for p in model.parameters()]
+    values = {k: v.detach() + 1 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(values)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(values)
+        assert torch.__future__.get_swap_module_params_on_conversion(), "the user's flag is kept"
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert [(p, type(p)) for p in model.parameters()] == params, "the same parameters, of the same class"
+    assert torch.equal(model[0].weight, ref[0].weight), "module.weight reads the loaded values"
+    for step in range(2):
+        losses = [m(x).pow(2).sum() for m in (model, ref)]
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        torch.testing.assert_close(losses[0], losses[1], msg=f"step {step} loss")
+    assert len(seen) == 2, f"the hook on 0.weight ran {len(seen)} times in 2 backwards"
+    _same(model, ref, "after 2 steps")
+    return {}
+
+
 def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``module.weight.grad`` is the parameter's full gradient, as in PyTorch
     (see [Note: writes to gathered parameters]): read, written in place,
@@ -544,7 +581,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
               "freeze_through_attribute": freeze_through_attribute_check, "zero1_fused_step": zero1_fused_step_check,
               "grads_through_attribute": grads_through_attribute_check,
-              "storage_swaps": storage_swaps_check, "empty_then_stepped": empty_then_stepped_check,
+              "storage_swaps": storage_swaps_check, "swap_load": swap_load_check, "empty_then_stepped": empty_then_stepped_check,
               "loss_outside_forward": loss_outside_forward_check,
               "loss_outside_forward_zero1": lambda r, ws: loss_outside_forward_check(r, ws, zero_stage=1),
               "grads_through_attribute_zero1": lambda r, ws: grads_through_attribute_check(r, ws, zero_stage=1),
