@@ -228,11 +228,6 @@ def _check_tensor_parallel(model: nn.Module, zero_stage: int, shard_frozen: bool
     tp = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
     if not tp:
         return
-    if zero_stage == 1:
-        raise ValueError(
-            f"zero_stage=1 with tensor-parallel parameters ({tp[0][0]!r} and others) is not supported yet; "
-            "pass zero_stage=2 or 3"
-        )
     for name, p in tp:
         frozen = not p.requires_grad and not shard_frozen
         if id(p) in whole or frozen or p.dim() == 0:

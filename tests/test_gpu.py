@@ -103,6 +103,7 @@ def test_nccl_tensor_parallel():
     names = [
         "llama_sp",
         "odd_zero2",
+        "odd_zero1",
         "llama_inductor",
         "llama_bf16_inductor",
         "llama_no_sync_clip",

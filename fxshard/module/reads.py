@@ -203,7 +203,7 @@ def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_sto
             phase = table[PHASE]
             if spec.kept:  # ZeRO-1: the full copy, already gathered (see [Note: ZeRO-1] in fxshard/module/zero1.py)
                 local, full = table[attr], table[KEPT + attr]
-                return kept(local, full, plan, index, phase)
+                return as_tp(kept(local, full, plan, index, phase))
             if spec.replicated:
                 return _read_replicated(table[attr], spec, plan, index, phase)
             return as_tp(_gather(table[attr], spec, plan, index, phase))

@@ -44,7 +44,7 @@ them as FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` does:
   gradient is averaged across replicas as on any HSDP mesh.
 What is not supported raises at compile (``fxshard/api.py``,
 docs/limits.md): TP meshes of more than one dimension,
-``Partial`` or ``_StridedShard`` inputs, ZeRO-1, replicated (``no_shard``,
+``Partial`` or ``_StridedShard`` inputs, replicated (``no_shard``,
 frozen unsharded or 0-dimensional) TP parameters, models already under
 FSDP.
 """

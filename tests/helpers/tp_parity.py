@@ -108,6 +108,8 @@ SCENARIOS: dict[str, TPScenario] = {
         sequence_parallel=True,
         loss_parallel=True,
     ),  # fmt: skip
+    "llama_zero1": TPScenario(**LLAMA1, compile_kwargs=dict(backend="aot_eager", zero_stage=1)),
+    "odd_zero1": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", zero_stage=1, unit_mb=1e-4)),
     # HSDP + TP at (2, 2, 2): 8 ranks.
     "llama_hsdp": TPScenario(**LLAMA1, compile_kwargs=dict(backend="aot_eager"), replicas=2),
     "odd_hsdp": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", zero_stage=2), replicas=2),
@@ -268,6 +270,8 @@ def train_and_compare(rank: int, world_size: int, sc: TPScenario) -> list[str]:
         for opt in opts:
             opt.step()
             opt.zero_grad()
+    if sc.compile_kwargs.get("zero_stage") == 1:
+        found.check(any(p.kept for p in model.fxshard_plan.params), "ZeRO-1 kept no full copies")
     # TP's DTensor code traces into one graph with fxshard's reads: no silent fall to sequenced reads.
     eager = sc.compile_kwargs.get("backend") == "eager"
     found.check(model.fxshard_plan.sequenced == eager, f"sequenced reads: {model.fxshard_plan.graph_break_reason}")
