@@ -31,11 +31,11 @@ from tests.helpers.tp_parity import run_all
 # frozen TP parameters, dp 1 at tp 4 (a TP piece of 0 rows, which FSDP2
 # fails), accumulation without sync with clipping, DCP across TP sizes,
 # sequence and loss parallelism under Inductor, the Llama plan under ZeRO-1, (dp 1, tp 2) at 2 ranks,
-# and HSDP + TP at (2, 2, 2) on 8 ranks.
+# and HSDP + TP at (2, 2, 2) on 8 ranks, DCP included.
 DEFAULT = {4: ("llama_sp", "odd_zero2", "odd_zero1", "llama_loss_parallel", "dump_marks"), 2: (), 8: ()}
 FULL_CPU = {4: ("llama", "llama_2_layers", "llama_zero2", "llama_inductor", "llama_bf16", "llama_bf16_inductor",
                 "llama_checkpoint", "odd_units", "odd_eager", "odd_frozen", "odd_dp1_tp4", "llama_no_sync_clip",
-                "dcp", "llama_sp_loss_parallel", "llama_zero1"), 2: ("odd_dp1_tp2",), 8: ("llama_hsdp", "odd_hsdp")}  # fmt: skip
+                "dcp", "llama_sp_loss_parallel", "llama_zero1"), 2: ("odd_dp1_tp2",), 8: ("llama_hsdp", "odd_hsdp", "dcp_hsdp")}  # fmt: skip
 
 
 def _cases() -> list:

@@ -307,7 +307,32 @@ def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: TPScenario
 def dcp_check(rank: int, world_size: int) -> None:
     """DCP: a checkpoint saved at (dp 2, tp 2), after a step, loads into
     fxshard at dp 4 without TP, at (dp 1, tp 4), and into FSDP2 at
-    (dp 2, tp 2), each holding the saved full weights; and back."""
+    (dp 2, tp 2), each holding the saved full weights."""
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    _dcp_across(rank, (grid["dp"], grid["tp"]), {"dp 4": (init_device_mesh("cpu", (4,)), None, False),
+                                                 "(dp 1, tp 4)": (tp4["dp"], tp4["tp"], False),
+                                                 "FSDP2 (dp 2, tp 2)": (grid["dp"], grid["tp"], True)})  # fmt: skip
+
+
+def dcp_hsdp_check(rank: int, world_size: int) -> None:
+    """DCP with HSDP + TP: a checkpoint saved at (2, 2, 2), after a step,
+    loads into fxshard at (dp 4, tp 2) and at dp 8 without TP, and into
+    FSDP2 at (2, 2, 2)."""
+    names = ("dp_replicate", "dp_shard", "tp")
+    grid = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    hsdp = grid["dp_replicate", "dp_shard"]
+    dp4 = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    _dcp_across(rank, (hsdp, grid["tp"]), {"(dp 4, tp 2)": (dp4["dp"], dp4["tp"], False),
+                                           "dp 8": (init_device_mesh("cpu", (8,)), None, False),
+                                           "FSDP2 (2, 2, 2)": (hsdp, grid["tp"], True)})  # fmt: skip
+
+
+def _dcp_across(rank: int, save_at: tuple[Any, Any], load_at: dict[str, tuple[Any, Any, bool]]) -> None:
+    """Train the odd model one step on ``save_at`` (data-parallel mesh, TP
+    mesh), save it with DCP, and load it on each of ``load_at``'s (data-parallel
+    mesh, TP mesh or None, FSDP2 instead of fxshard): every load holds the
+    saved full weights."""
     import shutil
     import tempfile
 
@@ -326,17 +351,15 @@ def dcp_check(rank: int, world_size: int) -> None:
         model = tp_models.parallelize(model, tp_mesh) if tp_mesh is not None else model
         return _fsdp2(model, mesh, {}) if fsdp2 else fxshard.compile(model, mesh, backend="aot_eager")
 
-    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    saved = loaded(grid["dp"], grid["tp"])
+    saved = loaded(*save_at)
     opt = torch.optim.AdamW(saved.parameters(), lr=1e-2)
-    saved(torch.randn(3, 6, generator=torch.Generator().manual_seed(rank // 2))).pow(2).mean().backward()
+    batch_seed = rank // save_at[1].size()  # one batch per data-parallel rank
+    saved(torch.randn(3, 6, generator=torch.Generator().manual_seed(batch_seed))).pow(2).mean().backward()
     opt.step()
     dcp.save(saved.state_dict(), checkpoint_id=folder[0])
     expected = {k: v.full_tensor() for k, v in saved.state_dict().items()}
-    tp4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
-    for where, model in (("dp 4", loaded(init_device_mesh("cpu", (4,)), None)),
-                         ("(dp 1, tp 4)", loaded(tp4["dp"], tp4["tp"])),
-                         ("FSDP2 (dp 2, tp 2)", loaded(grid["dp"], grid["tp"], fsdp2=True))):  # fmt: skip
+    for where, (mesh, tp_mesh, fsdp2) in load_at.items():
+        model = loaded(mesh, tp_mesh, fsdp2)
         state = model.state_dict()
         dcp.load(state, checkpoint_id=folder[0])
         model.load_state_dict(state)
@@ -369,4 +392,5 @@ def dump_marks_check(rank: int, world_size: int) -> None:
     assert not any("fxshard." in line and "the model's collective" in line for line in lines)
 
 
-CHECKS: dict[str, Callable[[int, int], None]] = {"dcp": dcp_check, "dump_marks": dump_marks_check}
+CHECKS: dict[str, Callable[[int, int], None]] = {"dcp": dcp_check, "dcp_hsdp": dcp_hsdp_check,
+                                                 "dump_marks": dump_marks_check}  # fmt: skip
