@@ -278,10 +278,13 @@ def _tp_mesh(mesh: DeviceMesh, tp: DeviceMesh) -> TPMesh:
     groups = {mesh.get_group(dim).group_name for dim in range(mesh.ndim) if mesh.size(dim) > 1}
     same_names = set(names or ()) & set(mesh.mesh_dim_names or ())
     if same_names or any(tp.get_group(dim).group_name in groups for dim in range(tp.ndim)):
+        given = mesh.mesh_dim_names or tuple(mesh.shape)
         raise ValueError(
-            f"parameters are already sharded over the mesh passed to fxshard.compile ({names or tuple(tp.shape)}); "
-            "fxshard shards plain parameters over it. Pass the model before fully_shard or distribute_tensor; "
-            "for tensor parallelism, pass the data-parallel dimension beside the TP one, mesh['dp'] of a (dp, tp) mesh"
+            f"parameters are already sharded over the mesh passed to fxshard.compile: they are DTensors on "
+            f"{names or tuple(tp.shape)}, part of the mesh {given} that compile was given, and fxshard shards plain "
+            "parameters over it. For tensor parallelism, pass the data-parallel dimension beside the TP one: "
+            "mesh['dp'] of a (dp, tp) mesh (mesh['dp_replicate', 'dp_shard'] with HSDP). Otherwise pass the model "
+            "before fully_shard or distribute_tensor"
         )
     if tp.ndim != 1 or names is None:
         raise ValueError(
