@@ -228,13 +228,12 @@ def _check_tensor_parallel(model: nn.Module, zero_stage: int, shard_frozen: bool
     tp = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
     if not tp:
         return
-    for name, p in tp:
-        frozen = not p.requires_grad and not shard_frozen
-        if id(p) in whole or frozen or p.dim() == 0:
-            why = "fxshard.no_shard marks it" if id(p) in whole else "it is frozen" if frozen else "it is 0-dimensional"
+    for name, p in tp:  # frozen ones are sharded, whatever shard_frozen says (fxshard/plan.py)
+        if id(p) in whole or p.dim() == 0:
+            why = "fxshard.no_shard marks it" if id(p) in whole else "it is 0-dimensional"
             raise ValueError(
                 f"tensor-parallel parameter {name!r} would be kept replicated over the data-parallel mesh ({why}), "
-                "which is not supported yet: leave it unmarked, and pass shard_frozen=True for frozen ones"
+                "which is not supported yet: leave it unmarked"
             )
 
 
@@ -358,6 +357,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       at compile time replicated, since they need no gather and no reduce,
       unless together they would take more than a quarter of the device's
       memory (then they are sharded, with a warning). True shards them.
+      Frozen tensor-parallel parameters are always sharded.
     """
     _check_model(model)
     opts = options(reshard_after_forward=reshard_after_forward, zero_stage=zero_stage, mp_policy=mp_policy,

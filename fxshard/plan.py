@@ -117,7 +117,9 @@ def build_plan(
     device memory of all ranks (bytes), so that every rank decides alike
     whether frozen parameters fit. ``whole``: what ``marked`` returns."""
     params = list(distinct_parameters(model))
-    frozen = [p for _, p in params if not p.requires_grad and id(p) not in whole]
+    # Frozen tensor-parallel parameters are sharded, as FSDP2 shards them:
+    # fxshard does not keep a TP parameter replicated over dp yet.
+    frozen = [p for _, p in params if not p.requires_grad and id(p) not in whole and not isinstance(p, DTensor)]
     replicate_frozen = not shard_frozen
     if replicate_frozen and frozen:
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
@@ -139,7 +141,9 @@ def build_plan(
         tp = topology.tp_layout(param) if isinstance(param, DTensor) else None
         local = compat.local_tensor(param) if tp is not None else param
         # A 0-dimensional parameter (a learned scale) has no dim 0 to shard.
-        replicated = id(param) in whole or param.dim() == 0 or (replicate_frozen and not param.requires_grad)
+        replicated = (
+            id(param) in whole or param.dim() == 0 or (replicate_frozen and not param.requires_grad and tp is None)
+        )
         if replicated:
             reduce = Reduce.ALL_REDUCE if param.requires_grad else Reduce.NONE
             lifetime = Lifetime.ALWAYS

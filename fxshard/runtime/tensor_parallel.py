@@ -42,10 +42,12 @@ them as FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` does:
   ``(dp_replicate, dp_shard, tp)`` mesh, as FSDP2 does: the shard lives on
   the 3-D mesh with ``Replicate()`` first, and the reduce-scattered
   gradient is averaged across replicas as on any HSDP mesh.
+- **Frozen** TP parameters are sharded whatever ``shard_frozen`` says, as
+  FSDP2 shards them: keeping one replicated over dp is not supported.
 What is not supported raises at compile (``fxshard/api.py``,
 docs/limits.md): TP meshes of more than one dimension,
 ``Partial`` or ``_StridedShard`` inputs, replicated (``no_shard``,
-frozen unsharded or 0-dimensional) TP parameters, models already under
+0-dimensional) TP parameters, models already under
 FSDP.
 """
 

@@ -116,6 +116,8 @@ SCENARIOS: dict[str, TPScenario] = {
     # Gradients accumulated without sync over 2 micro-batches, then clipped.
     # Frozen tensor-parallel parameters, sharded (shard_frozen=True).
     "odd_frozen": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager", shard_frozen=True), freeze=("a.", "c.")),
+    # The default (shard_frozen=False) shards frozen TP parameters too, as FSDP2 does.
+    "odd_frozen_default": TPScenario(**ODD, compile_kwargs=dict(backend="aot_eager"), freeze=("a.", "c.")),
     # Sequence parallelism: replicated norm weights, partial gradients over tp.
     "llama_sp": TPScenario(
         **dict(LLAMA1, make_batch=_tokens8), compile_kwargs=dict(backend="aot_eager"), sequence_parallel=True
