@@ -46,8 +46,10 @@ def test_a_ranks_rows_come_from_the_topology():
 
 def test_process_wide_effects_have_one_home():
     """See [Note: process-wide effects]: optimizer step hooks, the foreach
-    type registry, exit and before-destroy hooks go through runtime/process.py."""
-    pattern = r"register_optimizer_step_\w+_hook|register_module_\w+_registration_hook|atexit\.register|register_foreach_type\(|call_before_destroy\("
+    type registry, exit and before-destroy hooks, torch's swap-on-conversion
+    flag go through runtime/process.py."""
+    pattern = (r"register_optimizer_step_\w+_hook|register_module_\w+_registration_hook|atexit\.register|"
+               r"register_foreach_type\(|call_before_destroy\(|set_swap_module_params_on_conversion")  # fmt: skip
     doers = _files_matching(pattern)
     assert doers <= {"runtime/process.py", "runtime/compat"}, sorted(doers)
     assert "runtime/process.py" in doers

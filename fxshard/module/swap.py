@@ -36,6 +36,7 @@ from fxshard.module.structure import watch
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
+from fxshard.runtime import process
 from fxshard.runtime.plans import ModelRuntime, Param, PlanTable
 from fxshard.runtime.sequencer import Sequencer
 from fxshard.runtime.topology import Topology
@@ -73,15 +74,10 @@ class FXShardModule:
         # become a plain DTensor that no longer knows its rows, with new
         # autograd state (hooks registered on it gone). Without assign=True
         # (refused for full values, see module/checkpoint.py), the swap loads
-        # the same values that a copy does, so the shards take them in place.
-        # The flag is process-wide: it is off only for this module's own
-        # tensors and back as it was before the call returns.
-        swap = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(False)
-        try:
+        # the same values that a copy does, so the shards take them in place
+        # (the flag is torch's, for the process: see [Note: process-wide effects]).
+        with process.loads_in_place():
             super()._load_from_state_dict(*args, **kwargs)
-        finally:
-            torch.__future__.set_swap_module_params_on_conversion(swap)
 
     def get_parameter(self, target: str) -> nn.Parameter:
         # The registered parameter, the shard, as ``named_parameters()`` gives

@@ -1,7 +1,7 @@
 """Every effect fxshard has on the process beyond the models it makes.
 
 [Note: process-wide effects]
-torch offers no per-model way to do the five things below, so each is done
+torch offers no per-model way to do the six things below, so each is done
 through this module and nowhere else (``tests/test_layout.py`` checks it):
 - **Optimizer step hooks** (``HeldHook``): torch has no per-parameter step
   hook, and the optimizer is built after ``fxshard.compile``, so a model
@@ -23,6 +23,11 @@ through this module and nowhere else (``tests/test_layout.py`` checks it):
   ``before_destroy``) of every captured CUDA graph: NCCL hangs destroying a
   communicator that a live graph still uses, and the interpreter's exit
   destroys them in no fixed order.
+- **Parameter swaps on conversion, off during a load** (``loads_in_place``):
+  under ``torch.__future__.set_swap_module_params_on_conversion(True)``,
+  ``load_state_dict`` swaps a new tensor into each parameter, which a shard
+  cannot take (``fxshard/module/swap.py``). The flag is torch's, for the
+  process; it is off for the length of one module's own load and set back.
 - **State per process group**, which lives as long as the group, not a
   model, and so stays where it is used: the count of compiles per world
   group that names each model's keys in the store alike on every rank
@@ -40,6 +45,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
@@ -115,6 +121,19 @@ def foreach_type(cls: type) -> None:
     """Let torch's foreach optimizer and utility paths take ``cls`` as they
     take DTensor (see [Note: process-wide effects])."""
     compat.register_foreach_type(cls)
+
+
+@contextlib.contextmanager
+def loads_in_place() -> Iterator[None]:
+    """``load_state_dict`` copies into parameters for the length of the
+    block, as without ``set_swap_module_params_on_conversion(True)`` (see
+    [Note: process-wide effects])."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def at_exit(fn: Callable[[], None]) -> None:
