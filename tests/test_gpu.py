@@ -1,11 +1,10 @@
 """GPU gates: every parity scenario with NCCL on 2 GPUs, under both compilers.
 
-Skipped without 2 CUDA GPUs. Run on the device machine, one group per device
-call (all of core no longer fits one 600 s call); ``-s`` shows each check's
-progress line as it ends, so a call that runs out of time still says how far
-it got:
-    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -s -k core1   # then core2, core3
-    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -s -k hf
+Skipped without 2 CUDA GPUs. On the device machine, ``bench/scripts/nccl_gate.sh``
+runs the groups side by side (all of core in one pytest no longer fits one 600 s
+call); one group alone, where ``-s`` shows each check's progress line as it
+ends, so a run cut off still says how far it got:
+    NCCL_NVLS_ENABLE=0 python -m pytest tests/test_gpu.py -s -k core1   # core2, core3, hf
 """
 
 from __future__ import annotations
