@@ -221,6 +221,36 @@ def test_debug_check_names_a_step_skipped_on_one_rank():
     check_results(run_ranks(2, step_skipped_on_one_rank, timeout=300))
 
 
+def tp_read_on_one_dp_index(rank: int, world_size: int) -> None:
+    """FSDP + TP at (dp 2, tp 2) with the debug check on: steps train, each
+    of fxshard's collectives checked on its data-parallel group, while the
+    ranks of a TP group hold different pieces (the check compares what each
+    rank is about to issue, not what it holds). Then the ranks at dp index 0
+    read ``d.weight``, which TP leaves plain, outside forward (a gather over
+    dp; a TP weight read there is its shard, no collective, as under FSDP2),
+    those at dp index 1 do not: every rank raises before its data-parallel
+    group pairs the reads."""
+    from tests.helpers.tp_models import OddMLP, parallelize
+
+    os.environ["FXSHARD_CHECK_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = fxshard.compile(parallelize(OddMLP(), mesh["tp"]), mesh["dp"], backend="aot_eager", unit_mb=1e-4)
+    for _ in range(2):
+        model(torch.randn(3, 6)).sum().backward()
+
+    def next_step() -> None:
+        if mesh.get_local_rank("dp") == 0:
+            model.d.weight  # noqa: B018 - the read is a collective over dp
+        model(torch.randn(3, 6)).sum().backward()
+
+    _raises_on_every_rank(next_step, RankMismatchError, "all-gather of 'd.weight'", "all-gather of unit 0")
+
+
+def test_debug_check_with_tensor_parallelism():
+    check_results(run_ranks(4, tp_read_on_one_dp_index, timeout=300))
+
+
 # Single process (a fake 4-rank group): how the first call reads, and errors.
 
 
