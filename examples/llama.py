@@ -47,17 +47,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Heads counted from the projections' width, so that under tensor
+    parallelism a column-parallel ``wq`` gives each TP rank its own heads
+    (bench/bench.py ``--tp``), as torchtitan's Llama does. An int, not a
+    ``view(..., -1, ...)``, which would change the traced graphs (tests/golden)."""
+
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_dim = heads, dim // heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        b, t, _ = x.shape
+        q, k, v = (self._heads(w(x)) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+        return self.wo(out.transpose(1, 2).reshape(b, t, out.shape[1] * self.head_dim))
+
+    def _heads(self, y: torch.Tensor) -> torch.Tensor:
+        """(b, t, width) -> (b, heads, t, head_dim), heads = width / head_dim (dim, or a TP rank's share)."""
+        b, t, width = y.shape
+        return y.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2)
 
 
 class SwiGLU(nn.Module):

@@ -84,7 +84,7 @@ class TPLlama(nn.Module):
         return self.output(self.norm(h)).float()
 
 
-def sequence_parallel_plan(model: TPLlama) -> dict[str, object]:
+def sequence_parallel_plan(model: nn.Module) -> dict[str, object]:
     """torchtitan's Llama TP plan with sequence parallelism: activations
     between blocks sharded on the sequence, the norms' weights replicated
     DTensors (their gradients partial sums over tp until reduced)."""
@@ -105,7 +105,7 @@ def sequence_parallel_plan(model: TPLlama) -> dict[str, object]:
     return plan
 
 
-def llama_plan(model: TPLlama) -> dict[str, object]:
+def llama_plan(model: nn.Module) -> dict[str, object]:
     """torchtitan's Llama TP plan without sequence parallelism: the embedding
     row-wise (vocab-parallel), attention and MLP column- then row-wise, the
     output column-wise with replicated logits."""
@@ -152,11 +152,15 @@ def parallelize(model: nn.Module, tp_mesh: object, sequence_parallel: bool = Fal
     """``model`` with its TP plan applied on ``tp_mesh``; ``loss_parallel``:
     the output's logits stay sharded on the vocabulary, a DTensor, for a
     loss under ``torch.distributed.tensor.parallel.loss_parallel()``."""
-    if isinstance(model, TPLlama):
-        plan = sequence_parallel_plan(model) if sequence_parallel else llama_plan(model)
-        if loss_parallel:  # torchtitan's plan with loss parallelism
-            plan["output"] = ColwiseParallel(input_layouts=plan["output"].input_layouts[0],
-                                             output_layouts=Shard(-1), use_local_output=False)  # fmt: skip
-    else:
-        plan = odd_plan(model)
+    plan = llama_tp_plan(model, sequence_parallel, loss_parallel) if isinstance(model, TPLlama) else odd_plan(model)
     return parallelize_module(model, tp_mesh, plan)
+
+
+def llama_tp_plan(model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, object]:
+    """torchtitan's Llama TP plan, for TPLlama or examples/llama.py's Llama
+    (the same module names; the benchmark's ``--tp`` applies it there)."""
+    plan = sequence_parallel_plan(model) if sequence_parallel else llama_plan(model)
+    if loss_parallel:  # torchtitan's plan with loss parallelism
+        plan["output"] = ColwiseParallel(input_layouts=plan["output"].input_layouts[0],
+                                         output_layouts=Shard(-1), use_local_output=False)  # fmt: skip
+    return plan
