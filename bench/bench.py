@@ -5,6 +5,7 @@
     python bench/bench.py --model 375m --batch 1 --systems fxshard_capturable,fxshard_graph --repeat 2
     python bench/bench.py --model 8b --fake-world 8 --systems fxshard,fsdp2_compile   # memory only
     python bench/bench.py --model tiny --device cpu --systems fxshard,fsdp2        # a smoke test (gloo)
+    python bench/bench.py --model 8b --tp 2 --nproc-per-node 4 --systems fxshard,fsdp2_compile   # (dp 2, tp 2)
 
 One process per system: a system leaves compile caches, allocator state,
 streams and NCCL communicators behind, and these slowed the next system in
@@ -42,7 +43,16 @@ on the same model, built from the same seed:
 ZeRO-3, -2 and -1, a frozen tower sharded (with ``--frozen-layers N``, which
 freezes the embedding and the first N blocks; fxshard's default replicates
 it), and accumulation without sync (with ``--micro-batches K``); ``--mesh R,S``
-is HSDP. ``--optimizer``: torch's default AdamW (foreach), fused AdamW, or
+is HSDP. ``--tp N``: tensor parallelism on a (dp = world / N, tp = N) mesh
+named ("dp", "tp") (with ``--mesh R,S``: ("replicate", "shard", "tp")): every
+system gets the model's TP plan (bench/models.py: torchtitan's Llama plan,
+with sequence parallelism; ``--loss-parallel``: the logits sharded on the
+vocabulary into a loss under ``loss_parallel()``, as torchtitan's default)
+from ``parallelize_module(model, mesh["tp"], plan)``, then its data
+parallelism over ``mesh["dp"]`` as above, in torchtitan's order (TP, then
+each block compiled, then ``fully_shard``). ``--batch`` is then per
+data-parallel rank: the ranks of one TP group train the same tokens.
+``--optimizer``: torch's default AdamW (foreach), fused AdamW, or
 SGD with momentum. ``--fxshard-tree DIR`` runs fxshard from another commit's
 files on this tree's models and step (bench/matrix.py uses it for the
 baseline commit).
@@ -56,7 +66,9 @@ a ``torch.cuda.synchronize()``, the loss read after it; the first step
 (compile included) is reported separately. Peak memory per step from
 ``max_memory_allocated`` and ``max_memory_reserved`` (reserved holds a CUDA
 graph's pool), reset after the model is built and sharded and after every
-step. TFLOP/s per GPU = FLOPs per token (bench/models.py) x tokens / step time.
+step. TFLOP/s per GPU = FLOPs per token (bench/models.py) x tokens per GPU /
+step time, where tokens per GPU are the batch's tokens / tp: a TP group's
+GPUs split its tokens' FLOPs, which count the parameters at full size.
 ``--profile N`` adds, per step over the last N steps, the GPU-busy time (the
 union of all kernels) next to the step time, compute-busy, NCCL and exposed
 NCCL time, and kernel time by kind (matmul, attention, optimizer, Triton,
@@ -70,6 +82,7 @@ The driver prints a table and writes JSON; ``bench/plot.py`` draws it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -82,6 +95,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # --fxshard-tree=DIR: fxshard from DIR (a baseline commit's files), everything else from this tree,
@@ -143,6 +157,8 @@ FROZEN_LAYERS = 0  # the embedding and this many first layers frozen: a frozen t
 STRATEGY = "zero3"  # --strategy
 OPTIMIZER = "adamw_fused"  # --optimizer
 MESH: tuple[int, ...] | None = None  # --mesh R,S: an HSDP mesh of R replicas of S shards
+TP = 1  # --tp N: tensor parallelism over the last mesh dimension, of size N
+LOSS_PARALLEL = False  # --loss-parallel: with --tp, vocab-sharded logits into the loss
 CAPTURABLE_OPTIMIZER = False  # --capturable: every system's AdamW capturable, as a captured step's must be
 
 
@@ -152,7 +168,7 @@ COMPILE_PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_g
                   "compile_fx_inner", "backward._backward_impl", "_compile.compile_inner")  # fmt: skip
 
 
-def build(system: str, spec, mesh) -> torch.nn.Module:
+def build(system: str, spec, mesh, tp_mesh=None) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = spec.make()
@@ -166,6 +182,10 @@ def build(system: str, spec, mesh) -> torch.nn.Module:
         if dist.get_world_size() != 1:
             raise ValueError(f"{system} trains the unsharded model on one GPU: run it with --nproc-per-node 1")
         return torch.compile(model)
+    if TP > 1:  # torchtitan's order: the TP plan first, then compile and data-parallel sharding over mesh["dp"]
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, spec.tp_plan(model, LOSS_PARALLEL))
     fxshard_kwargs, fsdp2_kwargs = STRATEGIES[STRATEGY]
     if system in FXSHARD_VARIANTS:
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
@@ -201,11 +221,13 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer, s
         for i, micro in enumerate(tokens.chunk(MICRO_BATCHES)):
             if STRATEGY == "no_sync" and system not in REFERENCE:
                 model.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
-            with torch.autocast(DEVICE, torch.bfloat16, enabled=system in REFERENCE):
+            with torch.autocast(DEVICE, torch.bfloat16, enabled=system in REFERENCE), parallel_loss():
                 loss = spec.loss(model, micro) / MICRO_BATCHES
-            clock.lap("forward")
-            loss.backward()
-            clock.lap("backward")
+                clock.lap("forward")
+                loss.backward()
+                clock.lap("backward")
+            if isinstance(loss, DTensor):  # loss parallelism: a replicated DTensor
+                loss = loss.to_local()
             losses.append(loss.detach())
         loss = torch.stack(losses).sum()
         opt.step()
@@ -224,6 +246,15 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer, s
         raise RuntimeError(f"{system} needs fxshard.cuda_graph (fxshard/graphs.py), which this fxshard "
                            f"({fxshard.__file__}) lacks: update fxshard or leave {system} out of --systems")  # fmt: skip
     return cuda_graph(train_step, warmup=GRAPH_WARMUP)
+
+
+def parallel_loss():
+    """``loss_parallel()`` under ``--loss-parallel``: the vocab-sharded logits' loss and its backward."""
+    if not LOSS_PARALLEL:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 HOST_PHASES: list[dict[str, float]] = []  # per uncaptured step: host seconds per phase (PhaseClock)
@@ -316,7 +347,7 @@ def graph_memory(step) -> dict:
     return {f: v / 2**30 if v is not None else None for f, v in values.items()}
 
 
-def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
+def run_system(system: str, name: str, mesh, batch: int | None, tp_mesh=None) -> dict:
     spec = MODELS[name]()
     warmup, steps = spec.warmup, spec.steps
     batch = batch or spec.batch
@@ -325,13 +356,14 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
         if PROFILE > steps:
             raise ValueError(f"--profile {PROFILE} would profile {system}'s capture; at most {steps} for {name}")
     rank = dist.get_rank()
-    model = build(system, spec, mesh)
+    model = build(system, spec, mesh, tp_mesh)
     params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(system, trained)
     step = make_step(system, model, opt, spec)
-    batches = [tokens_for(s, rank, batch * MICRO_BATCHES, spec.vocab, spec.seq) for s in range(warmup + steps)]
+    dp_rank = rank // TP  # tp is the mesh's last dimension: the ranks of one TP group train the same tokens
+    batches = [tokens_for(s, dp_rank, batch * MICRO_BATCHES, spec.vocab, spec.seq) for s in range(warmup + steps)]
     sync()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -343,11 +375,12 @@ def run_system(system: str, name: str, mesh, batch: int | None) -> dict:
             step.reset()  # frees the graph and its pool before the process group goes
     times, losses = run["times"], run["losses"]
     median = statistics.median(times[warmup:])
-    tokens_per_gpu = batch * MICRO_BATCHES * spec.seq
+    tokens_per_gpu = batch * MICRO_BATCHES * spec.seq / TP  # a TP group's GPUs split its tokens' work
     flops = flops_per_token * tokens_per_gpu
     result = dict(
         model=name, system=system, params=params, batch=batch, micro_batches=MICRO_BATCHES, seq=spec.seq,
         world_size=dist.get_world_size(), strategy=STRATEGY, optimizer=OPTIMIZER, mesh=list(mesh.shape),
+        tp=TP, sequence_parallel=TP > 1, loss_parallel=LOSS_PARALLEL,
         capturable=CAPTURABLE_OPTIMIZER or system in CAPTURABLE,
         frozen_layers=FROZEN_LAYERS, fxshard_tree=FXSHARD_TREE,
         warmup=warmup, step_ms=median * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / median,
@@ -513,8 +546,9 @@ def table(results: list[dict]) -> str:
     rows = [head, "|" + "---|" * 9]
     for r in results:
         run = f" #{r['run'] + 1}" if "run" in r else ""
+        tp = f", tp {r['tp']}" if r.get("tp", 1) > 1 else ""
         rows.append(
-            f"| {r['model']} ({r['params'] / 1e9:.2f}B, batch {r['batch']}) | {r['system']}{run} | {r['step_ms']:.1f} | "
+            f"| {r['model']} ({r['params'] / 1e9:.2f}B, batch {r['batch']}{tp}) | {r['system']}{run} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {r['peak_gib']:.2f} | "
             f"{r.get('peak_reserved_gib', 0):.2f} | {r['first_step_s']:.1f} | {r['loss_step10']:.4f} |"
         )
@@ -615,6 +649,11 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser.add_argument("--capturable", action="store_true",
                         help="AdamW(capturable=True) for every system, not only the captured ones (a fair baseline)")  # fmt: skip
     parser.add_argument("--mesh", default=None, help="R,S: an HSDP mesh of R replicas of S shards (default: 1-D)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="N: tensor parallelism, a (dp = world / N, tp = N) mesh, the model's TP plan for "
+                        "every system (default: none)")  # fmt: skip
+    parser.add_argument("--loss-parallel", action="store_true",
+                        help="with --tp: the logits sharded on the vocabulary, the loss under loss_parallel()")  # fmt: skip
     parser.add_argument("--fxshard-tree", default=None,
                         help="import fxshard from this folder (a baseline commit's files, see bench/matrix.py)")  # fmt: skip
     parser.add_argument("--unit-mb", type=float, default=None, help="fxshard.compile(unit_mb=...)")
@@ -637,7 +676,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 # Options the driver passes on to each system's process as they were given.
 FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "profile_host", "memory_step", "fake_world",
-             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "fxshard_tree", "capturable")  # fmt: skip
+             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "tp", "loss_parallel", "fxshard_tree",
+             "capturable")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
@@ -723,7 +763,15 @@ def run_one(args: argparse.Namespace, system: str) -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     else:
         dist.init_process_group("gloo")
-    if MESH is None:
+    tp_mesh = None
+    if TP > 1:  # ("dp", "tp") or ("replicate", "shard", "tp"); the systems shard data-parallel over the rest
+        if dist.get_world_size() % TP or (MESH and MESH[0] * MESH[1] * TP != dist.get_world_size()):
+            raise ValueError(f"--tp {TP}{f' --mesh {args.mesh}' if MESH else ''} does not divide "
+                             f"{dist.get_world_size()} ranks")  # fmt: skip
+        names = ("replicate", "shard") if MESH else ("dp",)
+        grid = init_device_mesh(DEVICE, (*(MESH or (dist.get_world_size() // TP,)), TP), mesh_dim_names=(*names, "tp"))
+        mesh, tp_mesh = grid[names], grid["tp"]
+    elif MESH is None:
         mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
     else:
         mesh = init_device_mesh(DEVICE, MESH, mesh_dim_names=("replicate", "shard"))
@@ -733,7 +781,7 @@ def run_one(args: argparse.Namespace, system: str) -> None:
                 precision="bf16 compute, fp32 reduce",
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
                 fake_world=args.fake_world, fxshard_tree=FXSHARD_TREE)  # fmt: skip
-    result = run_system(system, args.model, mesh, args.batch)
+    result = run_system(system, args.model, mesh, args.batch, tp_mesh)
     if dist.get_rank() == 0:
         print(table([result]), flush=True)
         if args.out:
@@ -744,12 +792,17 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 def main() -> None:
     parser, args = parse_args()
     global DEVICE, PROFILE, PROFILE_HOST, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH
-    global CAPTURABLE_OPTIMIZER
+    global CAPTURABLE_OPTIMIZER, TP, LOSS_PARALLEL
     DEVICE = args.device
     MICRO_BATCHES = args.micro_batches or 1
     FROZEN_LAYERS = args.frozen_layers
     STRATEGY, OPTIMIZER, CAPTURABLE_OPTIMIZER = args.strategy, args.optimizer, args.capturable
     MESH = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
+    TP, LOSS_PARALLEL = args.tp or 1, args.loss_parallel
+    if TP > 1 and MODELS[args.model]().tp_plan is None:
+        parser.error(f"--tp: {args.model} has no TP plan (ModelSpec.tp_plan in bench/models.py; the Llamas have one)")
+    if LOSS_PARALLEL and TP == 1:
+        parser.error("--loss-parallel shards the logits over the tp mesh dimension: give --tp too")
     PROFILE, PROFILE_HOST = args.profile, args.profile_host
     if PROFILE_HOST and not PROFILE:
         parser.error("--profile-host profiles the steps that --profile N names: give --profile too")

@@ -18,9 +18,19 @@
 - ``tiny``, ``moe_tiny``, ``hybrid_tiny``, ``tt_tiny``: the same code at test size, for a
   smoke test on CPU (``--device cpu``).
 
+The Llamas have a tensor-parallel plan (bench.py ``--tp``): torchtitan's
+(tests/helpers/tp_models.py ``llama_tp_plan``, the plan the TP parity tests
+use), with sequence parallelism, as torchtitan's default: attention and MLP
+column- then row-wise, the embedding row-wise, the output column-wise, the
+norms sequence-parallel; the logits replicated, or sharded on the vocabulary
+with loss parallelism.
+
 FLOPs per token are 6 x the parameters a token passes through (OLMoE: the
 router's top-k experts, not all of them) + 6 x attention layers x seq x dim,
-the usual training estimate (forward and backward, no recompute).
+the usual training estimate (forward and backward, no recompute). The
+parameters are counted at their full size (a sharded one is a DTensor, whose
+``numel`` is the whole tensor's), so the count is the model's under any
+sharding; bench.py divides a token's FLOPs among the GPUs that share it.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ class ModelSpec:
     blocks: Callable[[nn.Module], nn.ModuleList]  # what FSDP2 wraps and compiles one by one
     loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, tokens) -> next-token loss
     flops_per_token: Callable[[nn.Module], float]  # training FLOPs per token (see the module docstring)
+    # (model, loss_parallel) -> the TP plan for parallelize_module (--tp); None: the model has none
+    tp_plan: Callable[[nn.Module, bool], dict] | None = None
 
 
 def _llama(cfg: LlamaConfig, batch: int, warmup: int, steps: int) -> ModelSpec:
@@ -54,8 +66,14 @@ def _llama(cfg: LlamaConfig, batch: int, warmup: int, steps: int) -> ModelSpec:
 
     return ModelSpec(
         make=lambda: Llama(cfg), vocab=cfg.vocab, seq=cfg.max_len, batch=batch, warmup=warmup, steps=steps,
-        blocks=lambda m: m.layers, loss=lambda m, t: lm_loss(m(t), t), flops_per_token=flops,
+        blocks=lambda m: m.layers, loss=lambda m, t: lm_loss(m(t), t), flops_per_token=flops, tp_plan=_llama_tp_plan,
     )  # fmt: skip
+
+
+def _llama_tp_plan(model: nn.Module, loss_parallel: bool) -> dict:
+    from tests.helpers.tp_models import llama_tp_plan
+
+    return llama_tp_plan(model, sequence_parallel=True, loss_parallel=loss_parallel)
 
 
 def _olmoe(batch: int, warmup: int, steps: int, **sizes: int) -> ModelSpec:
