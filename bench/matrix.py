@@ -3,6 +3,7 @@
     python bench/matrix.py --baseline c3006dc --out bench/results/matrix.json
     python bench/matrix.py --rows '375m*,moe*' --baseline c3006dc --out matrix.json   # a subset (fnmatch)
     python bench/matrix.py --rows 'moe*' --repeat 3 --baseline c3006dc               # medians of 3 interleaved runs
+    python bench/matrix.py --rows '8b b1,8b b1 tp2' --nproc-per-node 4 --out tp.json  # (dp 4) and (dp 2, tp 2)
     python bench/matrix.py --list                                                   # the rows
     python bench/matrix.py --table bench/results/matrix-4xh200.json --readme README.md --table-name 4xh200
     python bench/matrix.py --merge a.json b.json --out bench/results/matrix.json     # runs of several calls (a row's
@@ -19,11 +20,14 @@ each system runs in its own ``torchrun`` process (bench/bench.py
 - ``fxshard@REF``: fxshard at ``--baseline`` (a git ref, or a folder holding its
   ``fxshard/``), on this tree's models, data and step code, so that a
   regression shows up as a number.
-Rows that need more GPUs than there are (HSDP 2 x 2 needs 4) are listed as
-skipped. The JSON keeps every result; the markdown table gives step time,
-peak allocated and reserved memory, TFLOP/s per GPU with the MFU against 790
-(a measured bf16 GEMM on an H100/H200) and 989 (the datasheet), and each
-ratio against its target (``TARGETS``).
+A row with ``tp`` (bench.py ``--tp``) runs every system on a (dp, tp) mesh
+with the model's TP plan (torchtitan's Llama plan, sequence parallelism on):
+FSDP2 + compile with the same plan is the baseline. Rows that need more GPUs
+than there are (HSDP 2 x 2 needs 4) are listed as skipped. The JSON keeps
+every result; the markdown table gives step time, peak allocated and
+reserved memory, TFLOP/s per GPU with the MFU against 790 (a measured bf16
+GEMM on an H100/H200) and 989 (the datasheet), and each ratio against its
+target (``TARGETS``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class Row:
     optimizer: str = "adamw"  # torch's default AdamW: what users build
     strategy: str = "zero3"
     mesh: str | None = None  # "R,S": HSDP
+    tp: int = 1  # >1: a (dp, tp) mesh, the model's TP plan for every system (bench.py --tp)
+    loss_parallel: bool = False  # with tp: vocab-sharded logits into the loss (bench.py --loss-parallel)
     frozen_layers: int = 0
     micro_batches: int = 0
     graph: bool = False  # the whole step in fxshard.cuda_graph
@@ -64,6 +70,10 @@ class Row:
         for key in ("mesh", "frozen_layers", "micro_batches"):
             if getattr(self, key):
                 flags.append(f"--{key.replace('_', '-')}={getattr(self, key)}")
+        if self.tp > 1:
+            flags.append(f"--tp={self.tp}")
+        if self.loss_parallel:
+            flags.append("--loss-parallel")
         if self.graph:  # a captured step's AdamW is capturable: give every system the same one
             flags.append("--capturable")
         return flags
@@ -101,6 +111,11 @@ ROWS = [
     Row("1b b4 frozen tower sharded", "1b", 4, frozen_layers=8, strategy="shard_frozen"),
     Row("1b b4 accum4 sync each", "1b", 4, micro_batches=4),
     Row("1b b4 accum4 no sync", "1b", 4, micro_batches=4, strategy="no_sync"),
+    # Tensor parallelism (issue 29), torchtitan's Llama plan with sequence parallelism; the batch is per
+    # data-parallel rank. 2 GPUs: (dp 1, tp 2); 4: (dp 2, tp 2), beside "8b b1" at dp 4.
+    Row("1b b4 tp2", "1b", 4, tp=2),
+    Row("1b b4 tp2 loss parallel", "1b", 4, tp=2, loss_parallel=True),  # torchtitan's default
+    Row("8b b1 tp2", "8b", 1, tp=2, gpus=4),
     # CUDA graphs: the captured step against the same step uncaptured.
     Row("375m b1 graph", "375m", 1, graph=True),
     Row("1b b4 graph", "1b", 4, graph=True),
@@ -397,8 +412,9 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="matrix-") as tmp:
         for row in rows:
-            if row.gpus > nproc:
-                entry = {"row": dataclasses.asdict(row), "results": {}, "skipped": f"needs {row.gpus} GPUs"}
+            if row.gpus > nproc or nproc % row.tp:
+                need = f"{row.gpus} GPUs" if row.gpus > nproc else f"a GPU count divisible by tp {row.tp}"
+                entry = {"row": dataclasses.asdict(row), "results": {}, "skipped": f"needs {need}"}
             else:
                 entry = run_row(row, baselines, nproc, args.timeout, Path(tmp), args.repeat)
             data["rows"].append(entry)

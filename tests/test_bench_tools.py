@@ -4,6 +4,8 @@ sums, and the driver that runs each system in a process of its own."""
 from __future__ import annotations
 
 import json
+import math
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,8 +77,8 @@ def test_host_ops_are_those_with_the_most_host_time_per_step():
 def _args(**kw) -> SimpleNamespace:
     base = dict(model="tiny", device="cpu", batch=None, prefetch=None, unit_mb=None, profile=0, profile_host=False,
                 memory_step=None, fake_world=None, nproc_per_node=None, repeat=1, timeout=None, out=None, frozen_layers=0,
-                micro_batches=None, strategy="zero3", optimizer="adamw", mesh=None, fxshard_tree=None,
-                capturable=False)  # fmt: skip
+                micro_batches=None, strategy="zero3", optimizer="adamw", mesh=None, tp=None, loss_parallel=False,
+                fxshard_tree=None, capturable=False)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -92,6 +94,8 @@ def test_each_system_gets_a_process_of_its_own(monkeypatch):
     )
     for flag in ("--frozen-layers=2", "--micro-batches=4", "--strategy=no_sync", "--mesh=2,2", "--fxshard-tree=/t"):
         assert flag in forwarded
+    tp = bench.child_command(_args(tp=2, loss_parallel=True), "fsdp2_compile", Path("o"))
+    assert "--tp=2" in tp and "--loss-parallel" in tp
     profiled = bench.child_command(_args(profile=2, profile_host=True), "fxshard", Path("o"))
     assert "--profile=2" in profiled and "--profile-host" in profiled
     fake = bench.child_command(_args(fake_world=8), "fxshard", Path("o.json"))
@@ -140,6 +144,46 @@ def test_a_cuda_graph_on_cpu_is_refused_with_the_fix(monkeypatch, capsys):
     assert "needs --device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, error",
+    [(["--model", "hybrid_tiny", "--tp", "2"], "hybrid_tiny has no TP plan"),
+     (["--model", "tiny", "--loss-parallel"], "give --tp too")],
+)  # fmt: skip
+def test_tp_without_a_plan_or_loss_parallel_without_tp_is_refused(monkeypatch, capsys, flags, error):
+    for name in ("DEVICE", "TP", "LOSS_PARALLEL", "MESH"):  # main() sets them; restored after the test
+        monkeypatch.setattr(bench, name, getattr(bench, name))
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--device", "cpu", *flags])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.full_cpu  # two systems compiled on 4 gloo ranks: over 2 minutes on 2 cores
+def test_tp_rows_run_both_systems_on_the_same_plan(tmp_path):
+    """bench.py --tp 2 at 4 ranks, (dp 2, tp 2): fxshard and FSDP2 + per-block
+    compile on torchtitan's plan train the same losses; the parameters are
+    counted at full size and the tokens per GPU are the dp rank's / tp."""
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, str(Path(bench.__file__)), "--model=tiny", "--device=cpu", "--tp=2", "--nproc-per-node=4",
+           "--systems=fxshard,fsdp2_compile", f"--out={out}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    data = json.loads(out.read_text())
+    assert not data["failures"] and [r["system"] for r in data["results"]] == ["fxshard", "fsdp2_compile"]
+    spec = bench.MODELS["tiny"]()
+    model = spec.make()
+    params, flops = sum(p.numel() for p in model.parameters()), spec.flops_per_token(model)
+    tokens = spec.batch * spec.seq / 2  # a TP group of 2 shares its dp rank's batch
+    for r in data["results"]:
+        assert (r["tp"], r["mesh"], r["sequence_parallel"], r["world_size"]) == (2, [2], True, 4)
+        assert r["params"] == params  # DTensors count at full size: no TP shard counted alone
+        assert r["tokens_per_s_per_gpu"] * r["step_ms"] / 1e3 == pytest.approx(tokens)
+        assert r["tflops_per_gpu"] * 1e12 * r["step_ms"] / 1e3 == pytest.approx(flops * tokens)
+        assert all(math.isfinite(loss) for loss in r["losses"])
+    ours, fsdp2 = (r["losses"] for r in data["results"])
+    assert ours == pytest.approx(fsdp2, abs=2e-3)  # bf16 compute, the same model, plan and tokens
+
+
 import matrix  # noqa: E402  (bench/matrix.py)
 
 
@@ -155,6 +199,11 @@ def test_matrix_rows_cover_what_users_run():
     assert any(r.graph for r in rows.values()) and any(r.mesh for r in rows.values())
     assert not any("," in name for name in rows), "--rows splits its patterns at commas"
     assert rows["1b b4 accum4 no sync"].flags()[-1] == "--micro-batches=4"
+    # Issue 29's runs: the 8B at (dp 2, tp 2) beside "8b b1" at dp 4, FSDP2 + compile on the same plan.
+    assert rows["8b b1 tp2"].tp == 2 and rows["8b b1 tp2"].gpus == 4 and "--tp=2" in rows["8b b1 tp2"].flags()
+    assert rows["8b b1"].tp == 1 and not any(f.startswith("--tp") for f in rows["8b b1"].flags())
+    assert "--loss-parallel" in rows["1b b4 tp2 loss parallel"].flags()
+    assert all(bench.MODELS[r.model]().tp_plan is not None for r in rows.values() if r.tp > 1)
 
 
 def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
