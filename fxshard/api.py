@@ -202,9 +202,15 @@ def _tp_params(model: nn.Module) -> tuple[tuple[str, DTensor], ...]:
     return params
 
 
-def _topology(model: nn.Module, mesh: DeviceMesh | None) -> Topology:
-    """The user's mesh (all ranks where None), read once (see [Note: topology])."""
+def _topology(model: nn.Module, mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None = None) -> Topology:
+    """The user's mesh (all ranks where None), and with expert parallelism
+    ``expert_mesh``, read once (see [Note: topology])."""
     tp_params = _tp_params(model)
+    if expert_mesh is not None and mesh is None:
+        raise ValueError(
+            "expert_mesh needs the data-parallel mesh beside it: fxshard.compile(model, dense['dp'], "
+            "expert_mesh=sparse['efsdp']) (see [Note: expert-parallel parameters])"
+        )
     if tp_params and mesh is None:
         raise ValueError(
             "the model has tensor-parallel parameters (DTensors); pass the data-parallel mesh beside their TP "
@@ -217,9 +223,25 @@ def _topology(model: nn.Module, mesh: DeviceMesh | None) -> Topology:
         if device_type == "meta":  # materialized later, on this machine's accelerator if it has one
             device_type = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
         mesh = _default_mesh(device_type)
-    topology = Topology.from_mesh(mesh, tp_params)
+    topology = Topology.from_mesh(mesh, tp_params, expert_mesh)
     _check_devices(model, topology.device)
     return topology
+
+
+def _check_expert_parallel(topology: Topology, zero_stage: int, backend: str) -> None:
+    """Refuse what fxshard does not support with expert parallelism yet
+    (see [Note: expert-parallel parameters]), naming it and the fix."""
+    if topology.experts is None:
+        return
+    if zero_stage == 1:
+        raise NotImplementedError("ZeRO-1 with expert parallelism is not supported yet; use zero_stage=2 or 3")
+    if backend == "eager":
+        raise NotImplementedError(
+            "backend='eager' (sequenced reads) with expert parallelism is not supported yet; use 'aot_eager' or "
+            "'inductor'"
+        )
+    if any(not t.expert for t in topology.tensor_parallel):
+        raise NotImplementedError("tensor parallelism together with expert parallelism is not supported yet")
 
 
 def _check_tensor_parallel(model: nn.Module, zero_stage: int, shard_frozen: bool, whole: set[int]) -> None:
@@ -279,6 +301,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     debug_dir: str | os.PathLike | None = None,
     check_same_init: bool = True,
     shard_frozen: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and compile it; in place.
 
@@ -358,6 +381,13 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       unless together they would take more than a quarter of the device's
       memory (then they are sharded, with a warning). True shards them.
       Frozen tensor-parallel parameters are always sharded.
+    - ``expert_mesh``: with expert parallelism, the data-parallel dimension
+      beside the EP mesh that the experts are on: torchtitan's
+      ``sparse["efsdp"]`` of an ``(efsdp, ep)`` mesh over the same ranks as
+      ``mesh``. Parameters on an EP mesh (DTensors whose ranks lie inside
+      ``mesh``) are sharded over it; the others over ``mesh``, as without EP.
+      Expert gradients are averaged over all of ``mesh``'s ranks (see [Note:
+      expert-parallel parameters] and docs/limits.md).
     """
     _check_model(model)
     opts = options(reshard_after_forward=reshard_after_forward, zero_stage=zero_stage, mp_policy=mp_policy,
@@ -367,7 +397,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     explicit = _explicit_units(model, units)
     whole = marked(model)
     _check_tensor_parallel(model, opts.zero_stage, opts.shard_frozen, whole)
-    topology = _topology(model, mesh)
+    topology = _topology(model, mesh, expert_mesh)
+    _check_expert_parallel(topology, opts.zero_stage, opts.backend)
     shard, replicas, device = topology.shard, topology.replicas, topology.device
     memory = check_same_model(model, topology, values=opts.check_same_init, whole=whole,
                               memory=device_memory(device))  # fmt: skip

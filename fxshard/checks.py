@@ -95,6 +95,11 @@ def _first_difference(layouts: list[list[str]]) -> str:
     return "the parameter lists differ"
 
 
+def _on_ep_mesh(param: DTensor, topology: Topology) -> bool:
+    names = tuple(param.device_mesh.mesh_dim_names or ())
+    return any(t.expert and t.dims == names for t in topology.tensor_parallel)
+
+
 def check_same_model(
     model: nn.Module, topology: Topology, values: bool, whole: set[int], memory: int | None
 ) -> int | None:
@@ -108,8 +113,9 @@ def check_same_model(
     params = _distinct(model)
     layout = _layout(params, whole)
     mine = -1 if memory is None else memory
-    heads = _all_gather(torch.tensor([len(layout), _hash64(layout), mine], dtype=torch.int64), topology)
-    memories = heads[:, 2]
+    heads = _all_gather(torch.tensor([len(layout), _hash64(layout), mine, topology.expert_coordinate()],
+                                     dtype=torch.int64), topology)  # fmt: skip
+    memories, coordinates = heads[:, 2], heads[:, 3]
     smallest = None if bool((memories < 0).any()) else int(memories.min())
     heads = heads[:, :2]
     if not bool((heads == heads[0]).all()):
@@ -125,10 +131,15 @@ def check_same_model(
     # data-parallel group, share a TP coordinate (see [Note: topology]).
     locals_ = [compat.local_tensor(p) if isinstance(p, DTensor) else p for _, p in params]
     sums = _all_gather(torch.stack([checksum(p) for p in locals_]).cpu(), topology)
-    differs = (sums != sums[0]).any(0)
+    # An expert parameter's EP-local piece is compared among the ranks of one
+    # EP coordinate: they hold the same experts (see [Note: expert-parallel parameters]).
+    expert = torch.tensor([isinstance(p, DTensor) and _on_ep_mesh(p, topology) for _, p in params])
+    first = torch.stack([sums[int((coordinates == c).nonzero()[0])] for c in coordinates.tolist()])
+    expected = torch.where(expert, first, sums[0])
+    differs = (sums != expected).any(0)
     if bool(differs.any()):
         i = int(differs.nonzero()[0])
-        ranks = [r for r in range(topology.world.size) if sums[r, i] != sums[0, i]]
+        ranks = [r for r in range(topology.world.size) if sums[r, i] != expected[r, i]]
         raise ValueError(
             f"fxshard.compile: parameter {params[i][0]!r} holds different initial values on rank 0 and rank(s) "
             f"{ranks}; fxshard keeps each rank's own rows and broadcasts nothing. Seed every rank identically "

@@ -133,7 +133,8 @@ def build_plan(
                 len(frozen), frozen_bytes / 2**30, int(FROZEN_REPLICATE_SHARE * 100),
             )  # fmt: skip
             replicate_frozen = False
-    shard, replicas = topology.shard, topology.replicas
+    replicas = topology.replicas
+    expert_reduce = topology.expert_reduce_group() if topology.experts is not None else ""
     plans: dict[int, ParamPlan] = {}
     for fqn, param in params:
         # A tensor-parallel parameter is sharded as its TP-local tensor (see
@@ -151,11 +152,17 @@ def build_plan(
             reduce = Reduce.REDUCE_SCATTER if param.requires_grad else Reduce.NONE
             lifetime = sharded_lifetime
         dtype = mp.param_dtype if mp.param_dtype not in (None, param.dtype) else None
+        # An expert's is sharded over the experts' group, its gradient summed
+        # over its EP group already (see [Note: expert-parallel parameters]).
+        expert = tp is not None and tp.expert
+        group = topology.sharded_over(tp)
         plans[id(param)] = ParamPlan(
             fqn, Placement.REPLICATE if replicated else Placement.SHARD, reduce, lifetime,
-            local.shape[0] if local.dim() else 1, shard.size, shard.name, reduce_group_name, dtype,
+            local.shape[0] if local.dim() else 1, group.size, group.name,
+            expert_reduce if expert else reduce_group_name, dtype,
             mp.reduce_dtype, param.requires_grad, tuple(local.shape), param.dtype, topology.device,
             *((replicas.size, replicas.group_name) if replicas is not None else (1, "")), tp,
+            tp.size if expert else 1,
         )  # fmt: skip
     return plans
 

@@ -236,6 +236,13 @@ class RootState:
                 "switch later. Make the first call representative (same mode and code path), or remove the "
                 f"graph break. Dynamo said: {reason}"
             ) from error
+        # The sequencer gathers on one group (see [Note: expert-parallel parameters]).
+        if self.topology.experts is not None:
+            raise NotImplementedError(
+                "fxshard: the forward of a model with expert parallelism has a graph break, and sequenced reads "
+                "do not support expert parameters yet (they are sharded over another group). Remove the graph "
+                f"break (the EP all-to-alls trace into one graph). Dynamo said: {reason}"
+            ) from error
         log.warning("fxshard: the forward has graph breaks; reads go through the sequencer "
                     "(no reshard, reduces at the end of backward). Dynamo said: %s", reason)  # fmt: skip
         if self.shards.kept is not None:  # the sequencer gathers on every call

@@ -369,12 +369,12 @@ def shard_of(full: torch.Tensor, topology: Topology, spec: ParamPlan) -> ShardPa
     full = full.detach().contiguous()
     shape, stride = (torch.Size(tp.shape), tp.stride) if tp is not None else (full.shape, full.stride())
     mesh, piece = topology.spmd_mesh(tp), topology.piece(tp) if tp is not None else ()
-    rows = topology.rows(spec.dim0, sharded=not spec.replicated)
+    rows = topology.rows(spec.dim0, sharded=not spec.replicated, tp=tp)
     if spec.replicated:  # the tensor itself, not a copy: a frozen tower is not held twice
         dt = DTensor.from_local(full, mesh, topology.placements(False, tp), run_check=False, shape=shape,
                                 stride=stride)  # fmt: skip
         return shard_parameter(dt, spec.requires_grad, rows, piece)
-    local = in_slot(full[rows], full.shape, topology.shard.size)  # see Units.rehome
+    local = in_slot(full[rows], full.shape, spec.world_size)  # see Units.rehome
     dt = DTensor.from_local(local, mesh, topology.placements(True, tp), run_check=False, shape=shape,
                             stride=stride)  # fmt: skip
     return shard_parameter(dt, spec.requires_grad, rows, piece)

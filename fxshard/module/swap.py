@@ -236,8 +236,9 @@ def shard_parameters(
     model_runtime.sequencer = Sequencer(table.id, params, topology.shard.size, topology.shard.name, replicas)
     kept = [p for p in params if p.plan.kept]
     shards = LocalShards(list(owners.values()), KeptParams(kept, bucket_bytes) if kept else None)
-    # Units gather and reduce the shards that graphs gather, and reduce ZeRO-1's (see [Note: ZeRO-1]).
-    gathered = tuple(p for p in params if not p.plan.replicated)
+    # Units gather and reduce the shards that graphs gather, and reduce ZeRO-1's (see [Note: ZeRO-1]);
+    # not the experts', sharded over another group (see [Note: expert-parallel parameters]).
+    gathered = tuple(p for p in params if not p.plan.replicated and not (p.plan.tp is not None and p.plan.tp.expert))
     state = RootState(shards, model_runtime, sequenced, gathered, topology, fqns)
     watch_unsynced(state)
     for mod, attrs in per_module.items():

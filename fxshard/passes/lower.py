@@ -53,7 +53,7 @@ def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
             fn = functools.partial(
                 reduce_to_shard, local_rows=plans.local_rows(*plan_index(node)), world_size=p.world_size,
                 group_name=p.reduce_group_name, reduce_dtype=p.reduce_dtype, out_dtype=p.shard_dtype,
-                replicas=p.replicas, replica_group_name=p.replica_group_name,
+                replicas=p.replicas, replica_group_name=p.replica_group_name, presummed=p.presummed,
             )  # fmt: skip
             plan.append(Lowering(node, fn))
         elif is_replicate(node):  # a cast at most: world size 1 gathers nothing

@@ -236,7 +236,9 @@ class FXShardBackend:
             if not self.units.assigned:  # from the first graph (see [Note: units and flat shards])
                 # Reads inside a checkpointed region count too: else its weights got no unit and
                 # were gathered one by one, all at the top of the forward graph.
-                first_use = [param_of(n).fqn for n in nodes_in_call_order(record.captured) if is_sharded_read(n)]
+                # Only the parameters units move: not the experts' (see [Note: expert-parallel parameters]).
+                first_use = [param_of(n).fqn for n in nodes_in_call_order(record.captured)
+                             if is_sharded_read(n) and param_of(n).fqn in self.units.params]  # fmt: skip
                 self.units.form(form_units(self.units.params, first_use, self.spec.unit_bytes,
                                            self.spec.explicit_units, record.outline.weights))  # fmt: skip
             record.units = format_units(self.units)

@@ -72,9 +72,12 @@ def reduce_to_shard(
     out_dtype: torch.dtype,
     replicas: int = 1,
     replica_group_name: str = "",
+    presummed: int = 1,
 ) -> torch.Tensor:
     """Reduce: reduce-scatter the full gradient and average it over the group,
     then, on an HSDP mesh, over the ``replicas`` (see [Note: HSDP]).
+    ``presummed``: the ranks whose gradients ``grad`` already sums, divided
+    out too (an expert's EP group: see [Note: expert-parallel parameters]).
 
     The sum runs in ``reduce_dtype`` (the gradient's own dtype when None); the
     result lands in ``out_dtype``, the shard's dtype.
@@ -88,6 +91,8 @@ def reduce_to_shard(
         grad = grad / world_size
         if grad.shape[0] != local_rows:
             grad = grad[:local_rows]
+    if presummed > 1:
+        grad = grad / presummed
     grad = average_replicas(grad, replicas, replica_group_name)
     return grad.to(out_dtype) if grad.dtype != out_dtype else grad
 

@@ -120,7 +120,7 @@ def reduce_grad(grad: torch.Tensor, plan: int, index: int) -> torch.Tensor:
                          lambda: f"reduce-scatter of the gradient of {p.fqn!r} {tuple(grad.shape)}")  # fmt: skip
     _check_replicas(p, rows)
     out = reduce_to_shard(grad, rows, p.world_size, p.reduce_group_name, p.reduce_dtype, p.shard_dtype,
-                          p.replicas, p.replica_group_name)  # fmt: skip
+                          p.replicas, p.replica_group_name, p.presummed)  # fmt: skip
     return _no_alias(out, grad)
 
 

@@ -117,6 +117,10 @@ class ParamPlan:
     # A tensor-parallel parameter's layout on its TP mesh; then ``shape`` and
     # ``dim0`` are its TP-local tensor's (see [Note: tensor-parallel parameters]).
     tp: TPLayout | None = None
+    # How many data-parallel ranks' gradients each rank's local gradient
+    # already sums: an expert's, its EP group's (see [Note: expert-parallel
+    # parameters]). The reduce divides by ``world_size * presummed``.
+    presummed: int = 1
 
     @property
     def replicated(self) -> bool:
@@ -139,7 +143,8 @@ class ParamPlan:
 
     def describe(self) -> str:
         dtypes = f"{_dtype(self.gather_dtype)}/{_dtype(self.summed_dtype)}"
-        shape = f"{list(self.shape)}" if self.tp is None else f"{list(self.tp.shape)} (TP-local {list(self.shape)})"
+        local = "EP-local" if self.tp is not None and self.tp.expert else "TP-local"
+        shape = f"{list(self.shape)}" if self.tp is None else f"{list(self.tp.shape)} ({local} {list(self.shape)})"
         return (f"{self.fqn} {shape} {_dtype(self.shard_dtype)}: {placement_text(self)}, "
                 f"compute/reduce {dtypes}, gradient {reduce_text(self)}, gathered value {self.lifetime.value}")  # fmt: skip
 
@@ -217,11 +222,15 @@ def placement_text(p: ParamPlan) -> str:
     if p.tp is not None:  # FSDP2's placements on (dp, tp), as the shard's DTensor has them
         strided = p.placement is Placement.SHARD and p.tp.strided
         dp = f"_StridedShard(0, sf={p.tp.size})" if strided else p.placement.value
+        if p.tp.expert:  # over the experts' group (see [Note: expert-parallel parameters])
+            dp += f" over {p.world_size} expert ranks"
         return f"({dp}, {p.tp.text()})"
     return p.placement.value if p.replicas == 1 else f"(Replicate(), {p.placement.value})"
 
 
 def reduce_text(p: ParamPlan) -> str:
+    if p.presummed > 1 and p.reduce is not Reduce.NONE:
+        return f"{p.reduce.value}, averaged over {p.world_size * p.presummed} ranks"
     if p.replicas == 1 or p.reduce is Reduce.NONE:
         return p.reduce.value
     return f"{p.reduce.value}, then all-reduce over {p.replicas} replicas"

@@ -49,6 +49,49 @@ docs/limits.md): TP meshes of more than one dimension,
 ``Partial`` or ``_StridedShard`` inputs, replicated (``no_shard``,
 0-dimensional) TP parameters, models already under
 FSDP.
+
+[Note: expert-parallel parameters]
+Expert parallelism (EP) as torchtitan sets it up: the world is a data-parallel
+group ``dp``, and a second view of the same ranks, ``sparse = (efsdp, ep)``
+with ``efsdp * ep = dp``. The model's EP plan put each MoE layer's grouped
+expert weights (experts, ...) on ``sparse["ep"]`` as ``Shard(0)`` DTensors:
+each EP rank holds ``experts / ep`` of them. Tokens reach their experts by
+the model's own all-to-alls over ``ep``, with split sizes that depend on the
+routing. The user compiles once:
+``fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"])``, as
+torchtitan's ``apply_fsdp_to_decoder(model, dp_mesh, edp_mesh=...)`` hands
+FSDP2 both meshes (``shard_placement_fn`` returning the efsdp mesh for
+expert weights).
+- **Which are experts**: DTensor parameters whose mesh's ranks lie inside
+  this rank's data-parallel group (a TP mesh crosses data-parallel groups).
+  They are taken as TP parameters are (their EP-local tensor is what is
+  sharded, ``TPLayout`` with ``expert=True``), but sharded over
+  ``expert_mesh`` (``Topology.experts``), not over the data-parallel group:
+  every EP rank holds other experts, so only the ranks of one EP coordinate
+  share rows to shard. The shard is a DTensor on (efsdp, ep) with FSDP2's
+  placements, ``(_StridedShard(0, sf=ep), Shard(0))``.
+- **Non-expert parameters** are sharded over the whole data-parallel group,
+  as without EP, in units; the experts' gathers and reduces are their own
+  per-parameter collectives on efsdp (lowered markers, outside units, so not
+  coalesced or prefetched yet).
+- **Gradients**: the combine's all-to-all backward brings every token's
+  gradient back to the rank holding its expert, so each rank's local expert
+  gradient already sums the losses of its EP group's ``ep`` ranks. The
+  reduce-scatter over efsdp sums the rest; dividing by ``efsdp * ep`` (the
+  plan's ``presummed = ep`` beside ``world_size = efsdp``) averages over the
+  whole data-parallel group, as the non-expert gradients are averaged, and as
+  torchtitan sets FSDP2's gradient divide factor.
+- **The all-to-alls stay in the one graph.** The split sizes are read with
+  ``tolist()``, which dynamo (torch 2.13) traces as unbacked SymInts feeding
+  ``_c10d_functional.all_to_all_single``; the data-dependent shapes live inside
+  the graph, so no graph break and no sequenced reads. The host sync of
+  ``tolist()`` stays (torchtitan's too). fxshard's passes leave the model's
+  collectives as they are; the dump marks them as the model's.
+- **Rank checks**: the same-init checksums of an expert parameter are
+  compared among ranks of one EP coordinate.
+Not supported yet (refused at compile, or where the path is first taken):
+HSDP with EP, ZeRO-1, sequenced reads (``backend="eager"``, a graph break),
+TP and EP together, an EP mesh of more than one dimension.
 """
 
 from __future__ import annotations
@@ -69,6 +112,7 @@ class TPLayout:
     placements: tuple[Any, ...]  # DTensor placements on it: Shard(k) or Replicate()
     shape: tuple[int, ...]  # the parameter's global shape
     stride: tuple[int, ...]  # and stride
+    expert: bool = False  # an EP mesh: sharded over the experts' group (see [Note: expert-parallel parameters])
 
     @property
     def strided(self) -> bool:

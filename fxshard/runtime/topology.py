@@ -26,6 +26,12 @@ everything else takes the topology, or the plain names and sizes it gives:
   DTensors (see [Note: tensor-parallel parameters]), each with the (dp, tp)
   mesh their shards live on; checked here to be orthogonal slices of one
   mesh whose ranks they cover together with the data-parallel mesh.
+- ``experts``: with expert parallelism, the group expert parameters are
+  sharded over (torchtitan's ``efsdp``: the ranks of this rank's
+  data-parallel group that hold its experts), and their EP mesh is one of
+  ``tensor_parallel``, marked ``expert``, whose (efsdp, ep) mesh covers the
+  data-parallel group instead of the world (see [Note: expert-parallel
+  parameters]).
 The mesh may be a slice of a larger one, ``mesh["dp"]`` of a (dp, tp) mesh,
 as FSDP2 takes it: each rank's slice holds only its own coordinate's ranks,
 so ``from_mesh`` gathers every rank's groups (one collective over all
@@ -89,6 +95,10 @@ class TPMesh:
 
     mesh: DeviceMesh  # 1-D, the parameters' own
     spmd: DeviceMesh  # the data-parallel mesh's dimensions, then the TP mesh's
+    # An EP mesh: its ranks lie inside the data-parallel group, and its
+    # parameters are sharded over ``Topology.experts`` (see [Note:
+    # expert-parallel parameters]); ``spmd`` is then (efsdp, ep).
+    expert: bool = False
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -118,12 +128,19 @@ class Topology:
     _shard_groups: list[list[int]]
     _replicate_groups: list[list[int]]
     tensor_parallel: tuple[TPMesh, ...] = ()
+    # Expert parallelism: the group expert parameters are sharded over, and
+    # the user's mesh of it (its side groups are made from every rank's).
+    experts: Group | None = None
+    _expert_mesh: DeviceMesh | None = None
 
     @staticmethod
-    def from_mesh(mesh: DeviceMesh, tp_params: tuple[tuple[str, Any], ...] = ()) -> Topology:
+    def from_mesh(mesh: DeviceMesh, tp_params: tuple[tuple[str, Any], ...] = (),
+                  expert_mesh: DeviceMesh | None = None) -> Topology:  # fmt: skip
         """Validate ``mesh`` and the TP meshes of ``tp_params``, the (name,
         parameter) pairs that are DTensors (raising ``ValueError`` that
-        names the fix), and read them."""
+        names the fix), and read them. Those whose mesh lies inside the
+        data-parallel group are expert-parallel: sharded over ``expert_mesh``
+        (see [Note: expert-parallel parameters])."""
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
         if mesh.ndim not in (1, 2):
@@ -144,10 +161,16 @@ class Topology:
         replicas = None
         if mesh.ndim == 2 and mesh.size(0) > 1:
             replicas = Replicas(mesh.size(0), mesh.get_group(0).group_name)
+        world = Group.of(compat.flat_mesh(mesh))
+        ep_params, tp_params = _split_expert_params(mesh, world, tp_params, expert_mesh)
         tensor_parallel = tuple(_tp_mesh(mesh, tp) for tp in _tp_meshes(tp_params))
+        experts = None
+        if ep_params:
+            tensor_parallel += (_ep_mesh(mesh, world, _tp_meshes(ep_params), expert_mesh),)
+            experts = Group.of(expert_mesh)
         groups = _groups_of_every_rank(mesh)
-        return Topology(mesh, device, Group.of(shard_mesh), replicas, Group.of(compat.flat_mesh(mesh)), shard_mesh,
-                        groups[-1], groups[0], tensor_parallel)  # fmt: skip
+        return Topology(mesh, device, Group.of(shard_mesh), replicas, world, shard_mesh,
+                        groups[-1], groups[0], tensor_parallel, experts, expert_mesh if ep_params else None)  # fmt: skip
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -161,7 +184,7 @@ class Topology:
         TP placements after the shard dimension's, which is a
         ``_StridedShard`` where TP already shards dim 0 (see [Note:
         tensor-parallel parameters])."""
-        outer: list[Placement] = [Replicate()] * (self.mesh.ndim - 1)
+        outer: list[Placement] = [Replicate()] * (self.mesh.ndim - 1 if tp is None or not tp.expert else 0)
         if tp is None:
             return [*outer, Shard(0) if sharded else Replicate()]
         dp: Placement = Replicate()
@@ -176,8 +199,15 @@ class Topology:
 
     def tp_coordinates(self) -> tuple[tuple[int, int], ...]:
         """This rank's (index, size) on each TP mesh: ranks of one
-        data-parallel group hold the same pieces, of one TP group not."""
-        return tuple((t.mesh.get_local_rank(), t.mesh.size()) for t in self.tensor_parallel)
+        data-parallel group hold the same pieces, of one TP group not; with
+        expert parallelism, its (index, size) in ``experts`` too."""
+        experts = ((self.experts.rank, self.experts.size),) if self.experts is not None else ()
+        return tuple((t.mesh.get_local_rank(), t.mesh.size()) for t in self.tensor_parallel) + experts
+
+    def expert_coordinate(self) -> int:
+        """This rank's index on the EP mesh (0 without one): ranks of one
+        coordinate hold the same experts."""
+        return next((t.mesh.get_local_rank() for t in self.tensor_parallel if t.expert), 0)
 
     def tp_mesh(self, dims: tuple[str, ...]) -> TPMesh:
         return next(t for t in self.tensor_parallel if t.dims == dims)
@@ -186,7 +216,15 @@ class Topology:
         """A DTensor parameter's layout on its TP mesh (one of ``tensor_parallel``)."""
         tp = self.tp_mesh(tuple(param.device_mesh.mesh_dim_names))
         return TPLayout(tp.dims, tp.mesh.size(), tp.mesh.get_local_rank(), tuple(param.placements),
-                        tuple(param.shape), tuple(param.stride()))  # fmt: skip
+                        tuple(param.shape), tuple(param.stride()), tp.expert)  # fmt: skip
+
+    def sharded_over(self, tp: TPLayout | None) -> Group:
+        """The group a parameter is sharded over: the shard group, or an
+        expert parameter's ``experts`` (see [Note: expert-parallel parameters])."""
+        if tp is not None and tp.expert:
+            assert self.experts is not None, f"rank {self.world.rank}: an expert parameter without experts"
+            return self.experts
+        return self.shard
 
     def piece(self, tp: TPLayout) -> tuple[slice, ...]:
         """Where this rank's TP-local tensor lies in the full parameter: on
@@ -199,19 +237,28 @@ class Topology:
                 index[dim] = slice(*shard_range(tp.shape[dim], tp.size, tp.coordinate))
         return tuple(index)
 
-    def rows(self, dim0: int, sharded: bool = True) -> slice:
+    def rows(self, dim0: int, sharded: bool = True, tp: TPLayout | None = None) -> slice:
         """The rows of a parameter's ``dim0`` rows that this rank holds: its
-        shard's on the shard group (``shard_range``; possibly none), or all
-        of them for a parameter that is not sharded."""
+        shard's on the group it is sharded over (``shard_range``; possibly
+        none), or all of them for a parameter that is not sharded."""
         if not sharded:
             return slice(0, dim0)
-        return slice(*shard_range(dim0, self.shard.size, self.shard.rank))
+        group = self.sharded_over(tp)
+        return slice(*shard_range(dim0, group.size, group.rank))
 
     def reduce_group(self) -> str:
         """The group the reduce-scatters run on: the shard group's ranks again,
         on a communicator (an NCCL stream) of their own, so that they overlap
         the all-gathers of the backward."""
         return self.shard.name if self.shard.size == 1 else self._shard_side_group("reduce").group_name
+
+    def expert_reduce_group(self) -> str:
+        """``reduce_group`` of the group expert parameters are sharded over:
+        collective over every rank where it is made (``_groups_of_every_rank``)."""
+        assert self.experts is not None and self._expert_mesh is not None, f"rank {self.world.rank}: no experts"
+        if self.experts.size == 1:
+            return self.experts.name
+        return _side_group(self.experts.pg, "reduce", _groups_of_every_rank(self._expert_mesh)[0], None).group_name
 
     def count_group(self) -> str:
         """A CPU group over the shard group's ranks, on which sharded embedding
@@ -266,6 +313,77 @@ def _tp_meshes(params: tuple[tuple[str, Any], ...]) -> tuple[DeviceMesh, ...]:
                 "meshes, is not supported yet). Apply parallelize_module with one mesh, mesh['tp']"
             )
     return tuple(meshes.values())
+
+
+def _split_expert_params(mesh: DeviceMesh, world: Group, params: tuple[tuple[str, Any], ...],
+                         expert_mesh: DeviceMesh | None) -> tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:  # fmt: skip
+    """``params`` (DTensor parameters) as (expert-parallel, tensor-parallel):
+    a parameter whose mesh's ranks all lie in this rank's data-parallel
+    group (``world``, of ``mesh``) is an expert's, sharded over
+    ``expert_mesh`` (see [Note: expert-parallel parameters]); one on a mesh
+    of one rank is taken as TP unless ``expert_mesh`` is given, and one on
+    a dimension of ``mesh`` itself is left to the TP checks (which say
+    which mesh to pass). Raises ``ValueError`` where expert parameters come
+    without ``expert_mesh``, or it without them."""
+    dims = set(mesh.mesh_dim_names or ())
+    candidates = {name: p for name, p in params if not dims & set(p.device_mesh.mesh_dim_names or ())}
+    if world.size == 1:  # every mesh is inside: expert_mesh says which
+        inside = {name for name in candidates if expert_mesh is not None}
+    else:
+        ranks = set(dist.get_process_group_ranks(world.pg))
+        inside = {name for name, p in candidates.items()
+                  if set(dist.get_process_group_ranks(p.device_mesh.get_group(0))) <= ranks
+                  and (p.device_mesh.size() > 1 or expert_mesh is not None)}  # fmt: skip
+    if inside and expert_mesh is None:
+        name = sorted(inside)[0]
+        raise ValueError(
+            f"parameter {name!r} is a DTensor on a mesh {candidates[name].device_mesh.mesh_dim_names} whose ranks lie "
+            "inside the data-parallel mesh passed to fxshard.compile: expert parallelism. Pass the mesh its "
+            "experts are sharded over as well: fxshard.compile(model, mesh['dp'], expert_mesh=sparse['efsdp']), "
+            "with sparse = init_device_mesh(device_type, (dp // ep, ep), mesh_dim_names=('efsdp', 'ep')) and the "
+            "experts on sparse['ep'], as torchtitan's ParallelDims builds them"
+        )
+    if expert_mesh is not None and not inside:
+        raise ValueError(
+            "expert_mesh was given, but no parameter is a DTensor on a mesh inside the data-parallel mesh (an EP "
+            "mesh); put the experts on the EP mesh first (distribute_tensor(..., sparse['ep'], [Shard(0)])), or "
+            "leave expert_mesh out"
+        )
+    return (tuple((n, p) for n, p in params if n in inside), tuple((n, p) for n, p in params if n not in inside))
+
+
+def _ep_mesh(mesh: DeviceMesh, world: Group, meshes: tuple[DeviceMesh, ...], expert_mesh: DeviceMesh) -> TPMesh:
+    """The EP mesh of expert parameters (``meshes``, one), checked against
+    ``expert_mesh``: both 1-D and named, dimensions of one mesh, and together
+    over exactly the data-parallel group's ranks (torchtitan's (efsdp, ep))."""
+    if len(meshes) != 1 or meshes[0].ndim != 1 or meshes[0].mesh_dim_names is None:
+        raise ValueError(
+            f"fxshard shards expert parameters of one 1-D named EP mesh; they are on {len(meshes)} meshes "
+            f"{[m.mesh_dim_names for m in meshes]}. Apply the EP plan with one mesh, sparse['ep']"
+        )
+    if mesh.ndim != 1:
+        raise NotImplementedError("HSDP with expert parallelism is not supported yet: pass a 1-D data-parallel mesh")
+    if not isinstance(expert_mesh, DeviceMesh) or expert_mesh.ndim != 1 or expert_mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"expert_mesh must be a 1-D named DeviceMesh, the data-parallel dimension beside the EP mesh "
+            f"(sparse['efsdp'] of a ('efsdp', 'ep') mesh), got {expert_mesh!r}"
+        )
+    ep = meshes[0]
+    try:
+        spmd = compat.concatenate_meshes([expert_mesh, ep])
+    except RuntimeError as error:
+        raise ValueError(
+            f"the EP mesh {ep.mesh_dim_names} and expert_mesh {expert_mesh.mesh_dim_names} must be dimensions of "
+            f"one mesh (torch says: {error}); make both from one init_device_mesh(device_type, (dp // ep, ep), "
+            "mesh_dim_names=('efsdp', 'ep')): sparse['efsdp'] and sparse['ep']"
+        ) from error
+    if sorted(spmd.mesh.flatten().tolist()) != sorted(dist.get_process_group_ranks(world.pg)):
+        raise ValueError(
+            f"expert_mesh {expert_mesh.mesh_dim_names} ({expert_mesh.size()}) and the EP mesh {ep.mesh_dim_names} "
+            f"({ep.size()}) must cover exactly the ranks of the data-parallel mesh {mesh.mesh_dim_names} "
+            f"({mesh.size()}): experts are sharded over what EP leaves of it, as torchtitan's efsdp"
+        )
+    return TPMesh(ep, spmd, expert=True)
 
 
 def _tp_mesh(mesh: DeviceMesh, tp: DeviceMesh) -> TPMesh:
