@@ -95,11 +95,6 @@ def _first_difference(layouts: list[list[str]]) -> str:
     return "the parameter lists differ"
 
 
-def _on_ep_mesh(param: DTensor, topology: Topology) -> bool:
-    names = tuple(param.device_mesh.mesh_dim_names or ())
-    return any(t.expert and t.dims == names for t in topology.tensor_parallel)
-
-
 def check_same_model(
     model: nn.Module, topology: Topology, values: bool, whole: set[int], memory: int | None
 ) -> int | None:
@@ -133,7 +128,7 @@ def check_same_model(
     sums = _all_gather(torch.stack([checksum(p) for p in locals_]).cpu(), topology)
     # An expert parameter's EP-local piece is compared among the ranks of one
     # EP coordinate: they hold the same experts (see [Note: expert-parallel parameters]).
-    expert = torch.tensor([isinstance(p, DTensor) and _on_ep_mesh(p, topology) for _, p in params])
+    expert = torch.tensor([topology.is_expert(p) for _, p in params])
     first = torch.stack([sums[int((coordinates == c).nonzero()[0])] for c in coordinates.tolist()])
     expected = torch.where(expert, first, sums[0])
     differs = (sums != expected).any(0)

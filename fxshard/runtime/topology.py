@@ -218,6 +218,12 @@ class Topology:
         return TPLayout(tp.dims, tp.mesh.size(), tp.mesh.get_local_rank(), tuple(param.placements),
                         tuple(param.shape), tuple(param.stride()), tp.expert)  # fmt: skip
 
+    def is_expert(self, param: Any) -> bool:
+        """Whether ``param`` (before sharding) is a DTensor on the EP mesh (see
+        [Note: expert-parallel parameters])."""
+        names = tuple(getattr(param, "device_mesh", None) and param.device_mesh.mesh_dim_names or ())
+        return any(t.expert and t.dims == names for t in self.tensor_parallel)
+
     def sharded_over(self, tp: TPLayout | None) -> Group:
         """The group a parameter is sharded over: the shard group, or an
         expert parameter's ``experts`` (see [Note: expert-parallel parameters])."""
@@ -326,7 +332,9 @@ def _split_expert_params(mesh: DeviceMesh, world: Group, params: tuple[tuple[str
     which mesh to pass). Raises ``ValueError`` where expert parameters come
     without ``expert_mesh``, or it without them."""
     dims = set(mesh.mesh_dim_names or ())
-    candidates = {name: p for name, p in params if not dims & set(p.device_mesh.mesh_dim_names or ())}
+    groups = {mesh.get_group(dim).group_name for dim in range(mesh.ndim) if mesh.size(dim) > 1}
+    candidates = {name: p for name, p in params if not dims & set(p.device_mesh.mesh_dim_names or ())
+                  and p.device_mesh.get_group(0).group_name not in groups}  # fmt: skip
     if world.size == 1:  # every mesh is inside: expert_mesh says which
         inside = {name for name in candidates if expert_mesh is not None}
     else:
