@@ -6,7 +6,7 @@
 # GATE_TIMEOUT still shows how far it got.
 #   OUT=/tmp/gate bash bench/scripts/nccl_gate.sh
 # GATE_GROUPS picks groups: core1 core2 core3 hf params (parameters,
-# checkpoints, the zoo) tp (FSDP + TP, on every GPU present).
+# checkpoints, the zoo) tp (FSDP + TP) ep (FSDP + EP), the last two on every GPU present.
 set -u
 OUT=${OUT:-/tmp/fxshard-nccl-gate}
 mkdir -p "$OUT"
@@ -15,13 +15,13 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 declare -A groups=(
   [core1]="core1" [core2]="core2" [core3]="core3" [hf]="hf"
   [params]="writes_meta or checkpoint_round or zoo_seeds"
-  [tp]="tensor_parallel"
+  [tp]="tensor_parallel" [ep]="expert_parallel"
 )
-selected=${GATE_GROUPS:-core1 core2 core3 hf params tp}
+selected=${GATE_GROUPS:-core1 core2 core3 hf params tp ep}
 gpus=$(nvidia-smi -L | wc -l)
 pair=0
 for g in $selected; do
-  if [ "$g" = tp ]; then
+  if [ "$g" = tp ] || [ "$g" = ep ]; then
     visible=$(seq -s, 0 $((gpus - 1)))
   else
     visible=$((2 * pair % gpus)),$(((2 * pair + 1) % gpus))

@@ -110,15 +110,23 @@ def _received(ref: ep_models.MoEDecoder, batches: list[torch.Tensor], ep: int) -
     return groups
 
 
+def _device() -> torch.device:
+    """Each rank's GPU under NCCL (tests/test_gpu.py), else the CPU."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
-    dense = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    sparse = init_device_mesh("cpu", (world_size // sc.ep, sc.ep), mesh_dim_names=("efsdp", "ep"))
+    device = _device()
+    dense = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh(device.type, (world_size // sc.ep, sc.ep), mesh_dim_names=("efsdp", "ep"))
     torch.manual_seed(0)
-    ref = sc.make_model()
+    ref = sc.make_model().to(device)
     full = ref.state_dict()
     copies = []
     for _ in range(2 if sc.fsdp2 else 1):
-        model = sc.make_model()
+        model = sc.make_model().to(device)
         model.load_state_dict(full)
         copies.append(ep_models.parallelize(model, sparse["ep"]))
     model = fxshard.compile(copies[0], dense["dp"], expert_mesh=sparse["efsdp"], **sc.compile_kwargs)
@@ -140,7 +148,7 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
     moved = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in ref.named_parameters()}
     empty = 0
     for step in range(sc.steps):
-        batches = [torch.randint(0, 37, sc.tokens, generator=torch.Generator().manual_seed(1000 * step + d))
+        batches = [torch.randint(0, 37, sc.tokens, generator=torch.Generator().manual_seed(1000 * step + d)).to(device)
                    for d in range(world_size)]  # fmt: skip
         empty += int((_received(ref, batches, sc.ep) == 0).sum())
         losses = []
