@@ -32,7 +32,7 @@ from torch.distributed.tensor import Shard
 import fxshard
 from examples.llama import lm_loss
 from tests.helpers import ep_models
-from tests.helpers.parity import run_each
+from tests.helpers.parity import run_scenarios
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,8 @@ SCENARIOS: dict[str, EPScenario] = {
 
 
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
-    def run(rank: int, world_size: int, name: str) -> None:
-        if name in CHECKS:
-            CHECKS[name](rank, world_size)
-            return
-        found = train_and_compare(rank, world_size, SCENARIOS[name])
-        assert not found, "\n".join(found[:20])
-
-    return run_each(rank, world_size, names, run)
+    """Each named scenario or check, from a clean dynamo; None (passed) or what differed."""
+    return run_scenarios(rank, world_size, names, train_and_compare, SCENARIOS, CHECKS)
 
 
 def _fsdp2(model: ep_models.MoEDecoder, dp_mesh, efsdp_mesh) -> nn.Module:

@@ -768,3 +768,19 @@ def run_each(
         )
         torch._dynamo.reset()
     return results
+
+
+def run_scenarios(rank: int, world_size: int, names: list[str], train: Callable[[int, int, Any], list[str]],
+                  scenarios: dict[str, Any], checks: dict[str, Callable[[int, int], None]]) -> dict[str, str | None]:  # fmt: skip
+    """``run_each`` over ``names``: a check of ``checks`` runs as it is, a
+    scenario of ``scenarios`` through ``train(rank, world_size, scenario)``,
+    which returns the differences it found (none: passed)."""
+
+    def run(rank: int, world_size: int, name: str) -> None:
+        if name in checks:
+            checks[name](rank, world_size)
+            return
+        found = train(rank, world_size, scenarios[name])
+        assert not found, "\n".join(found[:20])
+
+    return run_each(rank, world_size, names, run)

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import fxshard
 from examples.llama import lm_loss
 from tests.helpers import tp_models
-from tests.helpers.parity import run_each
+from tests.helpers.parity import run_scenarios
 
 
 @dataclass(frozen=True)
@@ -143,15 +143,7 @@ SCENARIOS: dict[str, TPScenario] = {
 
 def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | None]:
     """Each named scenario or check, from a clean dynamo; None (passed) or what differed."""
-
-    def run(rank: int, world_size: int, name: str) -> None:
-        if name in CHECKS:
-            CHECKS[name](rank, world_size)
-            return
-        found = train_and_compare(rank, world_size, SCENARIOS[name])
-        assert not found, "\n".join(found[:20])
-
-    return run_each(rank, world_size, names, run)
+    return run_scenarios(rank, world_size, names, train_and_compare, SCENARIOS, CHECKS)
 
 
 class Mismatches:
