@@ -333,8 +333,17 @@ def _split_expert_params(mesh: DeviceMesh, world: Group, params: tuple[tuple[str
     without ``expert_mesh``, or it without them."""
     dims = set(mesh.mesh_dim_names or ())
     groups = {mesh.get_group(dim).group_name for dim in range(mesh.ndim) if mesh.size(dim) > 1}
-    candidates = {name: p for name, p in params if not dims & set(p.device_mesh.mesh_dim_names or ())
-                  and p.device_mesh.get_group(0).group_name not in groups}  # fmt: skip
+
+    def on_mesh(p: Any) -> bool:
+        """Whether ``p`` is on a dimension of ``mesh``, by name or by group.
+        At ep = dp DeviceMesh gives sparse['ep'] the group of dense['dp'] (the
+        world's): a named mesh beside ``expert_mesh`` is the EP mesh then."""
+        names = set(p.device_mesh.mesh_dim_names or ())
+        if dims & names:
+            return True
+        return p.device_mesh.get_group(0).group_name in groups and (expert_mesh is None or not names)
+
+    candidates = {name: p for name, p in params if not on_mesh(p)}
     if world.size == 1:  # every mesh is inside: expert_mesh says which
         inside = {name for name in candidates if expert_mesh is not None}
     else:
