@@ -18,7 +18,8 @@ steps, fewer options.
   (``Shard(0)``) and gives the dispatcher its mesh, applied with
   ``parallelize_module(model, mesh["ep"], ep_plan(model))``.
 ``MoEDecoder``'s blocks are a norm and an MoE (routed experts plus a shared
-dense expert), no attention: the all-to-alls are what is tested.
+dense expert), no attention: the all-to-alls are what is tested; with
+``checkpoint=True`` each block runs under activation checkpointing.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -157,8 +159,9 @@ class MoEDecoder(nn.Module):
     receives no tokens from it (12 routed rows over 8 experts)."""
 
     def __init__(self, vocab: int = 37, dim: int = 8, hidden: int = 12, experts: int = 8, top_k: int = 2,
-                 layers: int = 2) -> None:  # fmt: skip
+                 layers: int = 2, checkpoint: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.checkpoint = checkpoint  # each block under activation checkpointing
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, hidden, experts, top_k) for _ in range(layers))
         self.norm = RMSNorm(dim)
@@ -167,7 +170,10 @@ class MoEDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for layer in self.layers:
-            h = layer(h)
+            if self.checkpoint:  # the backward runs the block again: its all-to-alls too
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = layer(h)
         return self.output(self.norm(h))
 
 
@@ -183,6 +189,11 @@ class ExpertParallel(ParallelStyle):
             module.inner.register_parameter(name, sharded)
         module.dispatcher.ep_mesh = device_mesh
         return module
+
+
+def is_expert(name: str) -> bool:
+    """Whether the parameter named ``name`` is a grouped expert weight (EP puts it on the ep mesh)."""
+    return ".moe.experts.inner." in name
 
 
 def ep_plan(model: MoEDecoder) -> dict[str, ParallelStyle]:
