@@ -254,8 +254,9 @@ def _check_tensor_parallel(model: nn.Module, zero_stage: int, shard_frozen: bool
         if id(p) in whole or p.dim() == 0:
             why = "fxshard.no_shard marks it" if id(p) in whole else "it is 0-dimensional"
             raise ValueError(
-                f"tensor-parallel parameter {name!r} would be kept replicated over the data-parallel mesh ({why}), "
-                "which is not supported yet: leave it unmarked"
+                f"tensor- or expert-parallel parameter {name!r} would be kept replicated over the data-parallel "
+                f"mesh ({why}), which is not supported yet: leave it unmarked (fxshard.no_shard the plain modules "
+                "beside it instead, e.g. an MoE's router)"
             )
 
 

@@ -259,6 +259,12 @@ class CapturedStep:
         """Whether what the warm-up ran can be captured; raises if not."""
         for model in models:
             plan = model.fxshard_plan
+            if plan.topology.experts is not None:
+                raise ValueError(
+                    f"fxshard.cuda_graph: {type(model).__name__} has expert-parallel parameters (see [Note: "
+                    "expert-parallel parameters]); its token dispatch reads the all-to-all split sizes on the host "
+                    "(`tolist()`), which a captured step cannot. Call the step without fxshard.cuda_graph"
+                )
             if plan.topology.tensor_parallel:
                 raise ValueError(
                     f"fxshard.cuda_graph: {type(model).__name__} has tensor-parallel parameters (see [Note: "

@@ -91,7 +91,9 @@ expert weights).
   compared among ranks of one EP coordinate.
 Not supported yet (refused at compile, or where the path is first taken):
 HSDP with EP, ZeRO-1, sequenced reads (``backend="eager"``, a graph break),
-TP and EP together, an EP mesh of more than one dimension.
+TP and EP together, an EP mesh of more than one dimension, ``no_shard`` on
+expert parameters, and ``fxshard.cuda_graph`` (the dispatch's ``tolist()``
+is a host sync, which a captured step cannot hold).
 """
 
 from __future__ import annotations
