@@ -17,10 +17,15 @@ from tests.helpers.ep_parity import run_all
 
 # CPU time on 2 cores: 4 ranks at (ep 2, efsdp 2) under ZeRO-3 (aot_eager),
 # 3 steps, where the routing leaves some expert of some EP rank without
-# tokens, and the same-init check per EP coordinate. Under [Note: full_cpu]:
-# ZeRO-2, Inductor, and ep 4 (efsdp of one rank).
-DEFAULT = {4: ("moe", "different_init")}
-FULL_CPU = {4: ("moe_zero2", "moe_inductor", "moe_ep4")}
+# tokens, the same-init check per EP coordinate, the dump's marks of the
+# all-to-alls, and fxshard.cuda_graph's refusal. Under [Note: full_cpu]:
+# ZeRO-2, Inductor, ep 4 (efsdp of one rank), bf16 mixed precision,
+# accumulation without sync with clipping over both meshes, activation
+# checkpointing, frozen expert and non-expert parameters, no_shard beside
+# the experts, and DCP across EP sizes, without EP and into FSDP2.
+DEFAULT = {4: ("moe", "different_init", "dump_marks", "cuda_graph_refuses")}
+FULL_CPU = {4: ("moe_zero2", "moe_inductor", "moe_ep4", "moe_bf16", "moe_no_sync_clip", "moe_checkpoint",
+                "moe_frozen", "moe_no_shard", "dcp")}  # fmt: skip
 
 
 def _cases() -> list:
@@ -88,3 +93,15 @@ def test_refuses_what_is_not_supported_yet(fake_pg, kwargs, match):
     model = ep_models.parallelize(ep_models.MoEDecoder(layers=1), sparse["ep"])
     with pytest.raises(NotImplementedError, match=match):
         fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"], **kwargs)
+
+
+def test_refuses_no_shard_experts(fake_pg):
+    """Experts kept whole (no_shard of the MoE, or of the whole model) are
+    refused, naming the fix; no_shard of plain modules beside them trains
+    (ep_parity's moe_no_shard)."""
+    dense, sparse = _meshes()
+    model = ep_models.parallelize(ep_models.MoEDecoder(layers=1), sparse["ep"])
+    fxshard.no_shard(model.layers[0].moe)
+    with pytest.raises(ValueError, match=r"expert-parallel parameter 'layers.0.moe.experts.inner.w1' would be kept "
+                                         r"replicated.*leave it unmarked"):  # fmt: skip
+        fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"])

@@ -15,23 +15,28 @@ Loss, every gradient (``full_tensor()``, compared relative to the largest
 reference gradient) and the parameters after each AdamW step (where the
 reference gradient was non-zero at some step) must match. The run also
 checks that the routing left some local expert of some EP rank with no
-tokens, so that case is exercised, not hoped for.
+tokens, so that case is exercised, not hoped for. Scenarios add bf16 mixed
+precision (against the reference only the loss: see ``EPScenario``),
+micro-batches without sync and clipping, activation checkpointing, frozen
+parameters and ``no_shard``; checks (``CHECKS``) DCP across EP sizes, the
+dump's marks and fxshard.cuda_graph's refusal.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 from examples.llama import lm_loss
-from tests.helpers import ep_models
+from tests.helpers import ep_models, tp_parity
 from tests.helpers.parity import run_scenarios
 
 
@@ -44,15 +49,52 @@ class EPScenario:
     tokens: tuple[int, int] = (1, 6)  # per data-parallel rank
     atol: float = 1e-5  # relative to the largest reference gradient
     rtol: float = 1e-4
+    # bf16 (as tests/helpers/tp_parity.py): a fraction of elements may differ,
+    # and against the fp32 reference only the loss, loosely: bf16 logits route
+    # some tokens to other experts than the fp32 reference's (a near tie in
+    # the top 2; 2 tokens of one layer at step 0 of moe_bf16), which changes
+    # whole gradients (the gate's). FSDP2, computing in bf16 as fxshard,
+    # routes alike: gradients and parameters are compared with it.
+    outlier_fraction: float = 0.0
+    reference_atol: float | None = None
     fsdp2: bool = True
+    # >1: micro-batches, each with its own backward, then one optimizer step;
+    # no_sync: all but the last under set_requires_gradient_sync(False).
+    micro_batches: int = 1
+    no_sync: bool = False
+    clip_norm: float | None = None  # tp_parity._clip (by mesh, as torchtitan) on every copy
+    # Parameters (name prefixes) frozen in every copy. fxshard keeps frozen
+    # non-expert ones whole unless shard_frozen=True (FSDP2 shards them: their
+    # placements are not compared then); frozen experts are sharded.
+    freeze: tuple[str, ...] = ()
+    no_shard: tuple[str, ...] = ()  # modules fxshard.no_shard marks (FSDP2 shards them: placements not compared)
 
 
+BF16_TOLERANCES = dict(atol=3e-2, rtol=3e-2, outlier_fraction=0.01, reference_atol=5e-2)
 SCENARIOS: dict[str, EPScenario] = {
     "moe": EPScenario(compile_kwargs=dict(backend="aot_eager")),
     "moe_zero2": EPScenario(compile_kwargs=dict(backend="aot_eager", zero_stage=2)),
     "moe_inductor": EPScenario(compile_kwargs=dict(backend="inductor")),
     # ep = dp: efsdp of one rank, every expert held whole by one rank.
     "moe_ep4": EPScenario(compile_kwargs=dict(backend="aot_eager"), ep=4),
+    # bf16 parameters and compute, fp32 gradient reduction.
+    "moe_bf16": EPScenario(compile_kwargs=dict(backend="aot_eager", mp_policy=tp_parity.BF16), **BF16_TOLERANCES),
+    # 2 micro-batches, the first without sync, then clip_grad_norm_ over the dp and (efsdp, ep) meshes.
+    "moe_no_sync_clip": EPScenario(
+        compile_kwargs=dict(backend="aot_eager"), micro_batches=2, no_sync=True, clip_norm=0.5
+    ),
+    # Each block under activation checkpointing (eager, the backward runs its all-to-alls again).
+    "moe_checkpoint": EPScenario(
+        compile_kwargs=dict(backend="aot_eager"), make_model=functools.partial(ep_models.MoEDecoder, checkpoint=True)
+    ),
+    # Frozen experts of one layer, and frozen non-expert parameters.
+    "moe_frozen": EPScenario(
+        compile_kwargs=dict(backend="aot_eager"), freeze=("layers.0.moe.experts.", "embed.", "layers.1.moe.shared.")
+    ),
+    # A non-expert module kept replicated (the router's gate and the shared expert of one layer).
+    "moe_no_shard": EPScenario(
+        compile_kwargs=dict(backend="aot_eager"), no_shard=("layers.0.moe.router", "layers.1.moe.shared")
+    ),
 }
 
 
@@ -61,20 +103,21 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
     return run_scenarios(rank, world_size, names, train_and_compare, SCENARIOS, CHECKS)
 
 
-def _fsdp2(model: ep_models.MoEDecoder, dp_mesh, efsdp_mesh) -> nn.Module:
+def _fsdp2(model: ep_models.MoEDecoder, dp_mesh, efsdp_mesh, mp: fxshard.MixedPrecision | None = None) -> nn.Module:
     """torchtitan's ``apply_fsdp_to_decoder`` for EP > 1 (private FSDP2 APIs, as torchtitan imports them)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
     dp_info, edp_info = _get_mesh_info(dp_mesh), _get_mesh_info(efsdp_mesh)
+    policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype) if mp is not None else MixedPrecisionPolicy()
     for block in model.layers:
         experts = set(block.moe.experts.inner.parameters())
 
         def place(param: nn.Parameter, experts: set = experts) -> ShardPlacementResult:
             return ShardPlacementResult(Shard(0), edp_info if param in experts else dp_info)
 
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=place)
-    return fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=place, mp_policy=policy)
+    return fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
 def _fsdp2_expert_grads(model: nn.Module, ep: int) -> None:
@@ -85,7 +128,8 @@ def _fsdp2_expert_grads(model: nn.Module, ep: int) -> None:
     for module in model.modules():
         if isinstance(module, ep_models.GroupedExperts):
             for p in module.parameters():
-                p.grad.div_(ep)
+                if p.grad is not None:
+                    p.grad.div_(ep)
 
 
 def _received(ref: ep_models.MoEDecoder, batches: list[torch.Tensor], ep: int) -> torch.Tensor:
@@ -118,67 +162,97 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
     torch.manual_seed(0)
     ref = sc.make_model().to(device)
     full = ref.state_dict()
+    for name, param in ref.named_parameters():
+        param.requires_grad_(not name.startswith(sc.freeze))
     copies = []
     for _ in range(2 if sc.fsdp2 else 1):
         model = sc.make_model().to(device)
         model.load_state_dict(full)
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.startswith(sc.freeze))
         copies.append(ep_models.parallelize(model, sparse["ep"]))
+    for name in sc.no_shard:
+        fxshard.no_shard(copies[0].get_submodule(name))
     model = fxshard.compile(copies[0], dense["dp"], expert_mesh=sparse["efsdp"], **sc.compile_kwargs)
-    others = [_fsdp2(copies[1], dense["dp"], sparse["efsdp"])] if sc.fsdp2 else []
-    found: list[str] = []
+    mp = sc.compile_kwargs.get("mp_policy")
+    others = [_fsdp2(copies[1], dense["dp"], sparse["efsdp"], mp)] if sc.fsdp2 else []
+    found = tp_parity.Mismatches(sc)
 
-    def close(actual: torch.Tensor, expected: torch.Tensor, what: str, scale: float = 1.0) -> None:
-        try:
-            torch.testing.assert_close(actual / scale, expected / scale, atol=sc.atol, rtol=sc.rtol)
-        except AssertionError as error:
-            found.append(f"{what}: {error}")
+    def close(actual: torch.Tensor, expected: torch.Tensor, what: str, scale: float = 1.0,
+              atol: float | None = None) -> None:  # fmt: skip
+        found.close(actual.float() / scale, expected.float() / scale, what, atol)
 
     for other in others:
         for (name, p), q in zip(model.named_parameters(), other.parameters()):
             mine, theirs = (p.placements, p.device_mesh.mesh_dim_names), (q.placements, q.device_mesh.mesh_dim_names)
-            if mine != theirs:
-                found.append(f"{name}: placements {mine}, FSDP2's {theirs}")
+            frozen_whole = name.startswith(sc.freeze) and not sc.compile_kwargs.get("shard_frozen")
+            whole = name.startswith(sc.no_shard) or (frozen_whole and not ep_models.is_expert(name))
+            if whole:
+                found.check(mine == ((Replicate(),), ("dp",)), f"{name}: kept whole, yet placed {mine}")
+            elif mine != theirs:
+                found.check(False, f"{name}: placements {mine}, FSDP2's {theirs}")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, *others, ref)]
     moved = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in ref.named_parameters()}
     empty = 0
     for step in range(sc.steps):
-        batches = [torch.randint(0, 37, sc.tokens, generator=torch.Generator().manual_seed(1000 * step + d)).to(device)
-                   for d in range(world_size)]  # fmt: skip
-        empty += int((_received(ref, batches, sc.ep) == 0).sum())
-        losses = []
-        for m in (model, *others):
-            loss = lm_loss(m(batches[rank]), batches[rank])
-            loss.backward()
-            losses.append(loss.detach())
+        batches = [[torch.randint(0, 37, sc.tokens, generator=torch.Generator().manual_seed(1000 * step + d + 100 * i))
+                    .to(device) for i in range(sc.micro_batches)] for d in range(world_size)]  # fmt: skip
+        empty += sum(int((_received(ref, [b[i] for b in batches], sc.ep) == 0).sum()) for i in range(sc.micro_batches))
+        losses = [_micro_batches(m, batches[rank], sc) for m in (model, *others)]
         for other in others:
             _fsdp2_expert_grads(other, sc.ep)
-        ref_losses = [lm_loss(ref(b), b) for b in batches]
+        ref_losses = [sum(lm_loss(ref(b), b) for b in per_rank) for per_rank in batches]
         (sum(ref_losses) / world_size).backward()
         for i, loss in enumerate(losses):
-            close(loss, ref_losses[rank].detach(), f"step {step} loss of {'fxshard' if i == 0 else 'FSDP2'}")
-        scale = max(float(r.grad.abs().max()) for r in ref.parameters())
+            close(loss, ref_losses[rank].detach(), f"step {step} loss of {'fxshard' if i == 0 else 'FSDP2'}",
+                  atol=sc.reference_atol)  # fmt: skip
+        scale = max(float(r.grad.abs().max()) for r in ref.parameters() if r.grad is not None)
         for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
+            if r.grad is None:
+                found.check(p.grad is None and all(o.grad is None for o in q), f"{name}: frozen, has a gradient")
+                continue
             moved[name] |= r.grad != 0
             if p.grad is None:
-                found.append(f"step {step} {name}: no gradient")
+                found.check(False, f"step {step} {name}: no gradient")
                 continue
+            found.check(p.grad.dtype == torch.float32, f"step {step} {name}: gradient of {p.grad.dtype}")
             grad = p.grad.full_tensor()
-            close(grad, r.grad, f"step {step} grad of {name}", scale)
+            if sc.reference_atol is None:
+                close(grad, r.grad, f"step {step} grad of {name}", scale)
             for other in q:
                 close(grad, other.grad.full_tensor(), f"step {step} grad of {name} against FSDP2", scale)
+        if sc.clip_norm is not None:
+            norms = [tp_parity._clip(list(m.parameters()), sc.clip_norm) for m in (model, *others, ref)]
+            found.check(float(norms[-1]) > sc.clip_norm, f"step {step}: the reference's norm {norms[-1]} does not clip")
+            for norm in norms[:-1]:
+                close(norm, norms[-1], f"step {step} gradient norm", atol=sc.reference_atol)
         for opt in opts:
             opt.step()
             opt.zero_grad()
     if not empty:
-        found.append("the routing gave every local expert tokens at every step: the empty case was not exercised")
-    if model.fxshard_plan.sequenced:
-        found.append(f"sequenced reads: {model.fxshard_plan.graph_break_reason}")
+        found.check(False, "the routing gave every local expert tokens at every step: the empty case was not exercised")
+    found.check(not model.fxshard_plan.sequenced, f"sequenced reads: {model.fxshard_plan.graph_break_reason}")
     for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
         value, where = p.detach().full_tensor(), moved[name]
-        close(value[where], r.detach()[where], f"{name} after {sc.steps} steps")
+        if r.grad is None and not r.requires_grad:
+            where = torch.ones_like(where)  # frozen: unchanged, everywhere
+        if sc.reference_atol is None:
+            close(value[where], r.detach()[where], f"{name} after {sc.steps} steps")
         for other in q:
             close(value, other.detach().full_tensor(), f"{name} after {sc.steps} steps against FSDP2")
-    return found
+    return found.found
+
+
+def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: EPScenario) -> torch.Tensor:
+    """The step's loss, each micro-batch with its own backward."""
+    total = torch.zeros((), device=batches[0].device)
+    for i, batch in enumerate(batches):
+        if sc.no_sync:
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        total = total + loss.detach().float()
+    return total
 
 
 def different_init_check(rank: int, world_size: int) -> None:
@@ -203,4 +277,107 @@ def different_init_check(rank: int, world_size: int) -> None:
         fxshard.compile(model(True), dense["dp"], expert_mesh=sparse["efsdp"], backend="aot_eager")
 
 
-CHECKS: dict[str, Callable[[int, int], None]] = {"different_init": different_init_check}
+def _step(model: nn.Module, rank: int) -> None:
+    """One AdamW step on this rank's batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(rank))
+    lm_loss(model(batch), batch).backward()
+    opt.step()
+
+
+def dcp_check(rank: int, world_size: int) -> None:
+    """DCP: a checkpoint saved at (efsdp 2, ep 2), after a step, loads into
+    fxshard at ep 4 (efsdp 1), into fxshard at dp 4 without EP (experts
+    whole, sharded as any parameter), and into FSDP2 + EP at (efsdp 2, ep 2),
+    each holding the saved full weights."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    dense = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    sparse = {ep: init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep")) for ep in (2, 4)}
+    torch.manual_seed(0)
+    full = ep_models.MoEDecoder(layers=1).state_dict()
+
+    def loaded(ep: int | None, fsdp2: bool = False) -> nn.Module:
+        model = ep_models.MoEDecoder(layers=1)
+        model.load_state_dict(full)
+        if ep is None:
+            return fxshard.compile(model, dense["dp"], backend="aot_eager")
+        model = ep_models.parallelize(model, sparse[ep]["ep"])
+        if fsdp2:
+            return _fsdp2(model, dense["dp"], sparse[ep]["efsdp"])
+        return fxshard.compile(model, dense["dp"], expert_mesh=sparse[ep]["efsdp"], backend="aot_eager")
+
+    saved = loaded(2)
+    _step(saved, rank)
+    dcp.save(saved.state_dict(), checkpoint_id=folder[0])
+    expected = {k: v.full_tensor() for k, v in saved.state_dict().items()}
+    changed = [k for k, v in expected.items() if not torch.equal(v, full[k])]
+    assert "layers.0.moe.experts.inner.w1" in changed, changed  # the step moved the experts
+    for where, (ep, fsdp2) in {"ep 4": (4, False), "dp 4 without EP": (None, False),
+                               "FSDP2 (efsdp 2, ep 2)": (2, True)}.items():  # fmt: skip
+        model = loaded(ep, fsdp2)
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=folder[0])
+        model.load_state_dict(state)
+        for key, value in model.state_dict().items():
+            what = f"{where} {key}"
+            torch.testing.assert_close(value.full_tensor(), expected[key], msg=lambda m, what=what: f"{what}: {m}")
+        _step(model, rank)  # and it trains on from there
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
+
+
+def dump_marks_check(rank: int, world_size: int) -> None:
+    """The debug dump marks the model's all-to-alls (the dispatch, the
+    combine, and their backward) as the model's collectives on the ep group,
+    never fxshard's gathers and reduces (on dp and efsdp)."""
+    import tempfile
+    from pathlib import Path
+
+    dense = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    folder = Path(tempfile.mkdtemp())
+    torch.manual_seed(0)
+    model = ep_models.parallelize(ep_models.MoEDecoder(layers=1), sparse["ep"])
+    model = fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"], backend="aot_eager", debug_dir=folder)
+    _step(model, rank)
+    dumps = sorted(folder.rglob("*.after.txt"))
+    lines = [line for path in dumps for line in path.read_text().splitlines()]
+    alls = [line for line in lines if "= _c10d_functional.all_to_all_single(" in line]
+    marked = [line for line in lines if "the model's collective (TP/EP), not fxshard's" in line]
+    groups = {line.split("not fxshard's: group ")[1].split(";")[0] for line in marked if "_c10d_functional." in line}
+    # The counts' and the tokens' dispatch and the combine in the forward, the latter two's backward.
+    assert len(alls) >= 5 and all(line in marked for line in alls), (dumps, alls)
+    fxshard_groups = {dense["dp"].get_group().group_name, sparse["efsdp"].get_group().group_name}
+    assert len(groups) == 1 and not groups & fxshard_groups, (groups, fxshard_groups)
+    assert any("fxshard.unit_gather(" in line for line in lines)
+    assert not any("fxshard." in line and "the model's collective" in line for line in lines)
+
+
+def cuda_graph_check(rank: int, world_size: int) -> None:
+    """fxshard.cuda_graph refuses an EP model, naming why: the dispatch's
+    host reads of the split sizes. The check runs where a captured step's
+    warm-up ends, before any capture (on CPU the first call already refuses:
+    CUDA graphs need CUDA)."""
+    import pytest
+
+    from fxshard import graphs
+
+    dense = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("efsdp", "ep"))
+    model = ep_models.parallelize(ep_models.MoEDecoder(layers=1), sparse["ep"])
+    model = fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"], backend="aot_eager")
+    with pytest.raises(ValueError, match=r"MoEDecoder has expert-parallel parameters.*split sizes on the host"):
+        graphs.CapturedStep(lambda: None, 1)._check_ran([model], [])
+
+
+CHECKS: dict[str, Callable[[int, int], None]] = {"different_init": different_init_check, "dcp": dcp_check,
+                                                 "dump_marks": dump_marks_check,
+                                                 "cuda_graph_refuses": cuda_graph_check}  # fmt: skip
