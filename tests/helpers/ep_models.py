@@ -170,7 +170,7 @@ class MoEDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for layer in self.layers:
-            if self.checkpoint:  # the backward runs the block again: its all-to-alls too
+            if self.checkpoint:  # eagerly, the backward runs the block again, all-to-alls too
                 h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
             else:
                 h = layer(h)
