@@ -162,11 +162,13 @@ def qwen3_config(*, tied: bool = False, attn: str = "sdpa", seq_len: int | None 
     return _with_attention(config, attn, seq_len)
 
 
-def qwen3_moe_config(*, attn: str = "sdpa", seq_len: int | None = SEQ_LEN) -> Qwen3Model.Config:
+def qwen3_moe_config(*, attn: str = "sdpa", seq_len: int | None = SEQ_LEN, num_experts: int = 5) -> Qwen3Model.Config:
     """Qwen3-MoE as torchtitan's ``_debugmodel_moe``/``_30b_a3b``: 5 experts, top-2, softmax + route_norm.
 
     Expert hidden dims stay multiples of 8: ``torch._grouped_mm`` needs 16-byte
-    strides in bf16 (on CPU as on GPU). The odd expert count shards unevenly.
+    strides in bf16 (on CPU as on GPU). The odd expert count shards unevenly;
+    expert parallelism needs ``num_experts`` divisible by ep (torchtitan's
+    dispatcher views the per-expert counts as ``(ep, experts // ep)``).
     """
     dim, head_dim, vocab = 64, 16, 127
     config = Qwen3Model.Config(
@@ -183,7 +185,7 @@ def qwen3_moe_config(*, attn: str = "sdpa", seq_len: int | None = SEQ_LEN) -> Qw
             n_kv_heads=2,
             head_dim=head_dim,
             moe_hidden_dim=40,
-            num_experts=5,
+            num_experts=num_experts,
             top_k=2,
             attn_backend=_backend(attn),
             rope=CosSinRoPE.Config(dim=head_dim, max_context_length=MAX_CONTEXT, theta=1000000.0),
