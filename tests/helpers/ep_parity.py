@@ -3,17 +3,23 @@
 The meshes are torchtitan's two views of one data-parallel world: ``dp``
 (every rank, for the non-expert parameters) and ``(efsdp, ep)`` (experts
 ``Shard(0)`` on ep, their shards over efsdp). Each rank trains three copies
-of one MoE decoder (tests/helpers/ep_models.py), all from the same full weights:
+of one MoE model, all from the same full weights. The model comes from the
+scenario's ``EPModel``: ``EPModel`` itself is tests/helpers/ep_models.py's
+MoE decoder. The three copies:
 - fxshard: ``parallelize`` on ``sparse["ep"]``, then
   ``fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"])``;
 - FSDP2: the same EP plan, then torchtitan's ``fully_shard`` of each block
   with a ``shard_placement_fn`` that puts expert weights on efsdp, and the
   gradient divide factor set to the data-parallel size, as torchtitan does;
 - the reference: the full model, unsharded, on every rank: every
-  data-parallel rank's batch, their losses averaged.
+  data-parallel rank's batch, their losses averaged (``EPModel.reference_losses``).
 Loss, every gradient (``full_tensor()``, compared relative to the largest
-reference gradient) and the parameters after each AdamW step (where the
-reference gradient was non-zero at some step) must match. The run also
+reference gradient) and the parameters after the AdamW steps (where the
+reference gradient was non-zero at some step) must match, the reference's
+at fp32 tolerance, FSDP2's too. With ``same_weights`` (models whose experts
+compute in bf16) the reference starts each step from
+fxshard's full weights, keeping its own AdamW state, and parameters are
+compared after every step; FSDP2 trains on its own throughout. The run also
 checks that the routing left some local expert of some EP rank with no
 tokens, so that case is exercised, not hoped for. Scenarios add bf16 mixed
 precision (against the reference only the loss: see ``EPScenario``),
@@ -24,9 +30,9 @@ dump's marks and fxshard.cuda_graph's refusal.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -41,12 +47,62 @@ from tests.helpers.parity import run_scenarios
 
 
 @dataclass(frozen=True)
+class EPModel:
+    """One MoE model family as the scenarios use it: how to build it, put its
+    experts on the ep mesh, feed it, and where its blocks, experts and routers
+    are. This one is ep_models.MoEDecoder: 8 experts, top 2, of 6 tokens per rank."""
+
+    tokens: tuple[int, int] = (1, 6)  # per data-parallel rank
+    checkpoint: bool = False  # each block under activation checkpointing
+
+    def make(self) -> nn.Module:
+        """The full model (the caller seeds the generator)."""
+        return ep_models.MoEDecoder(checkpoint=self.checkpoint)
+
+    def parallelize(self, model: nn.Module, ep_mesh) -> nn.Module:
+        """The model's own EP setup: experts ``Shard(0)`` on ``ep_mesh``, all-to-alls on it."""
+        return ep_models.parallelize(model, ep_mesh)
+
+    def batch(self, step: int, index: int, device: torch.device, micro: int = 0) -> Any:
+        """Data-parallel rank ``index``'s batch at ``step``, its micro-batch ``micro``."""
+        generator = torch.Generator().manual_seed(1000 * step + index + 100 * micro)
+        return torch.randint(0, 37, self.tokens, generator=generator).to(device)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return lm_loss(model(batch), batch)
+
+    def reference_losses(self, ref: nn.Module, batches: list, ep: int) -> list[torch.Tensor]:
+        """Each data-parallel rank's loss, from the unsharded reference."""
+        return [self.loss(ref, b) for b in batches]
+
+    def blocks(self, model: nn.Module) -> list[tuple[nn.Module, nn.Module | None]]:
+        """FSDP2's units: each block, with the module holding its expert weights (None: a dense block)."""
+        return [(block, block.moe.experts.inner) for block in model.layers]
+
+    def is_expert(self, name: str) -> bool:
+        """Whether the parameter named ``name`` is an expert weight (on the ep mesh)."""
+        return ep_models.is_expert(name)
+
+    def routed(self, ref: nn.Module, batch: Any) -> torch.Tensor:
+        """The reference's per-expert token counts for ``batch``, per MoE layer: (layers, experts)."""
+        counts: list[torch.Tensor] = []
+        routers = [block.moe.router for block in ref.layers]
+        hooks = [router.register_forward_hook(lambda m, i, out: counts.append(out[2])) for router in routers]
+        try:
+            with torch.no_grad():
+                ref(batch)
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.stack(counts)
+
+
+@dataclass(frozen=True)
 class EPScenario:
     compile_kwargs: dict = field(default_factory=dict)
     ep: int = 2
     steps: int = 3
-    make_model: Callable[[], nn.Module] = ep_models.MoEDecoder
-    tokens: tuple[int, int] = (1, 6)  # per data-parallel rank
+    model: EPModel = EPModel()
     atol: float = 1e-5  # relative to the largest reference gradient
     rtol: float = 1e-4
     # bf16 (as tests/helpers/tp_parity.py): a fraction of elements may differ,
@@ -60,14 +116,21 @@ class EPScenario:
     fsdp2: bool = True
     # >1: micro-batches, each with its own backward, then one optimizer step;
     # no_sync: all but the last under set_requires_gradient_sync(False).
+    # Micro-batches need the family's batch(micro=...) (EPModel's).
     micro_batches: int = 1
     no_sync: bool = False
     clip_norm: float | None = None  # tp_parity._clip (by mesh, as torchtitan) on every copy
     # Parameters (name prefixes) frozen in every copy. fxshard keeps frozen
     # non-expert ones whole unless shard_frozen=True (FSDP2 shards them: their
-    # placements are not compared then); frozen experts are sharded.
+    # placements are not compared then); frozen experts are sharded. Needs
+    # the family's is_expert(name) (EPModel's).
     freeze: tuple[str, ...] = ()
     no_shard: tuple[str, ...] = ()  # modules fxshard.no_shard marks (FSDP2 shards them: placements not compared)
+    # The reference starts each step from fxshard's full weights (its AdamW
+    # state stays its own), and parameters are compared after every step:
+    # for models whose bf16 compute turns fp32 noise in one step's update into
+    # bf16 noise in the next step's gradients.
+    same_weights: bool = False
 
 
 BF16_TOLERANCES = dict(atol=3e-2, rtol=3e-2, outlier_fraction=0.01, reference_atol=5e-2)
@@ -84,9 +147,7 @@ SCENARIOS: dict[str, EPScenario] = {
         compile_kwargs=dict(backend="aot_eager"), micro_batches=2, no_sync=True, clip_norm=0.5
     ),
     # Each block under activation checkpointing (eager, the backward runs its all-to-alls again).
-    "moe_checkpoint": EPScenario(
-        compile_kwargs=dict(backend="aot_eager"), make_model=functools.partial(ep_models.MoEDecoder, checkpoint=True)
-    ),
+    "moe_checkpoint": EPScenario(compile_kwargs=dict(backend="aot_eager"), model=EPModel(checkpoint=True)),
     # Frozen experts of one layer, and frozen non-expert parameters.
     "moe_frozen": EPScenario(
         compile_kwargs=dict(backend="aot_eager"), freeze=("layers.0.moe.experts.", "embed.", "layers.1.moe.shared.")
@@ -103,15 +164,17 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
     return run_scenarios(rank, world_size, names, train_and_compare, SCENARIOS, CHECKS)
 
 
-def _fsdp2(model: ep_models.MoEDecoder, dp_mesh, efsdp_mesh, mp: fxshard.MixedPrecision | None = None) -> nn.Module:
+def _fsdp2(
+    model: nn.Module, family: EPModel, dp_mesh, efsdp_mesh, mp: fxshard.MixedPrecision | None = None
+) -> nn.Module:
     """torchtitan's ``apply_fsdp_to_decoder`` for EP > 1 (private FSDP2 APIs, as torchtitan imports them)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
     dp_info, edp_info = _get_mesh_info(dp_mesh), _get_mesh_info(efsdp_mesh)
     policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype) if mp is not None else MixedPrecisionPolicy()
-    for block in model.layers:
-        experts = set(block.moe.experts.inner.parameters())
+    for block, inner in family.blocks(model):
+        experts = set(inner.parameters()) if inner is not None else set()
 
         def place(param: nn.Parameter, experts: set = experts) -> ShardPlacementResult:
             return ShardPlacementResult(Shard(0), edp_info if param in experts else dp_info)
@@ -120,32 +183,22 @@ def _fsdp2(model: ep_models.MoEDecoder, dp_mesh, efsdp_mesh, mp: fxshard.MixedPr
     return fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
-def _fsdp2_expert_grads(model: nn.Module, ep: int) -> None:
+def _fsdp2_expert_grads(model: nn.Module, family: EPModel, ep: int) -> None:
     """FSDP2 averages expert gradients over efsdp only; torchtitan sets the
     divide factor to the data-parallel size (``set_gradient_divide_factor``),
     which gloo cannot run (NCCL's PreMulSum: "Cannot use ReduceOp.PREMUL_SUM
-    with Gloo"). The same division, after the reduce."""
-    for module in model.modules():
-        if isinstance(module, ep_models.GroupedExperts):
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.grad.div_(ep)
+    with Gloo"). The same division, after the reduce (frozen experts have no gradient)."""
+    for _, inner in family.blocks(model):
+        for p in inner.parameters() if inner is not None else ():
+            if p.grad is not None:
+                p.grad.div_(ep)
 
 
-def _received(ref: ep_models.MoEDecoder, batches: list[torch.Tensor], ep: int) -> torch.Tensor:
-    """Per layer, EP group and expert: the tokens its expert receives from the
+def _received(ref: nn.Module, family: EPModel, batches: list, ep: int) -> torch.Tensor:
+    """Per EP group, layer and expert: the tokens its expert receives from the
     group's ranks, from the reference's routing of each rank's batch."""
-    ids: list[torch.Tensor] = []
-    hooks = [block.moe.router.register_forward_hook(lambda m, i, out: ids.append(out[2])) for block in ref.layers]
-    with torch.no_grad():
-        for batch in batches:
-            ref(batch)
-    for h in hooks:
-        h.remove()
-    layers = len(ref.layers)
-    counts = torch.stack(ids).view(len(batches), layers, -1)  # (rank, layer, expert)
-    groups = counts.view(len(batches) // ep, ep, layers, -1).sum(1)  # ranks r*ep .. r*ep+ep-1 form an EP group
-    return groups
+    counts = torch.stack([family.routed(ref, batch) for batch in batches])  # (rank, layer, expert)
+    return counts.view(len(batches) // ep, ep, *counts.shape[1:]).sum(1)  # ranks r*ep .. r*ep+ep-1 form an EP group
 
 
 def _device() -> torch.device:
@@ -159,23 +212,24 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
     device = _device()
     dense = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     sparse = init_device_mesh(device.type, (world_size // sc.ep, sc.ep), mesh_dim_names=("efsdp", "ep"))
+    family = sc.model
     torch.manual_seed(0)
-    ref = sc.make_model().to(device)
+    ref = family.make().to(device)
     full = ref.state_dict()
     for name, param in ref.named_parameters():
         param.requires_grad_(not name.startswith(sc.freeze))
     copies = []
     for _ in range(2 if sc.fsdp2 else 1):
-        model = sc.make_model().to(device)
+        model = family.make().to(device)
         model.load_state_dict(full)
         for name, param in model.named_parameters():
             param.requires_grad_(not name.startswith(sc.freeze))
-        copies.append(ep_models.parallelize(model, sparse["ep"]))
+        copies.append(family.parallelize(model, sparse["ep"]))
     for name in sc.no_shard:
         fxshard.no_shard(copies[0].get_submodule(name))
     model = fxshard.compile(copies[0], dense["dp"], expert_mesh=sparse["efsdp"], **sc.compile_kwargs)
     mp = sc.compile_kwargs.get("mp_policy")
-    others = [_fsdp2(copies[1], dense["dp"], sparse["efsdp"], mp)] if sc.fsdp2 else []
+    others = [_fsdp2(copies[1], family, dense["dp"], sparse["efsdp"], mp)] if sc.fsdp2 else []
     found = tp_parity.Mismatches(sc)
 
     def close(actual: torch.Tensor, expected: torch.Tensor, what: str, scale: float = 1.0,
@@ -186,7 +240,7 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
         for (name, p), q in zip(model.named_parameters(), other.parameters()):
             mine, theirs = (p.placements, p.device_mesh.mesh_dim_names), (q.placements, q.device_mesh.mesh_dim_names)
             frozen_whole = name.startswith(sc.freeze) and not sc.compile_kwargs.get("shard_frozen")
-            whole = name.startswith(sc.no_shard) or (frozen_whole and not ep_models.is_expert(name))
+            whole = name.startswith(sc.no_shard) or (frozen_whole and not family.is_expert(name))
             if whole:
                 found.check(mine == ((Replicate(),), ("dp",)), f"{name}: kept whole, yet placed {mine}")
             elif mine != theirs:
@@ -194,14 +248,32 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, *others, ref)]
     moved = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in ref.named_parameters()}
     empty = 0
+
+    def compare_parameters(when: str) -> None:
+        for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
+            value, where = p.detach().full_tensor(), moved[name]
+            if r.grad is None and not r.requires_grad:
+                where = torch.ones_like(where)  # frozen: unchanged, everywhere
+            if sc.reference_atol is None:
+                close(value[where], r.detach()[where], f"{name} {when}")
+            for other in q:
+                close(value, other.detach().full_tensor(), f"{name} {when} against FSDP2")
+
     for step in range(sc.steps):
-        batches = [[torch.randint(0, 37, sc.tokens, generator=torch.Generator().manual_seed(1000 * step + d + 100 * i))
-                    .to(device) for i in range(sc.micro_batches)] for d in range(world_size)]  # fmt: skip
-        empty += sum(int((_received(ref, [b[i] for b in batches], sc.ep) == 0).sum()) for i in range(sc.micro_batches))
-        losses = [_micro_batches(m, batches[rank], sc) for m in (model, *others)]
+        # batches[d][i]: data-parallel rank d's micro-batch i.
+        micros = range(sc.micro_batches)
+        batches = [[family.batch(step, d, device, micro=i) for i in micros] for d in range(world_size)]
+        empty += sum(int((_received(ref, family, [b[i] for b in batches], sc.ep) == 0).sum()) for i in micros)
+        if sc.same_weights:
+            with torch.no_grad():
+                for p, r in zip(model.parameters(), ref.parameters()):
+                    r.copy_(p.full_tensor())
+        losses = [_micro_batches(m, family, batches[rank], sc, device) for m in (model, *others)]
         for other in others:
-            _fsdp2_expert_grads(other, sc.ep)
-        ref_losses = [sum(lm_loss(ref(b), b) for b in per_rank) for per_rank in batches]
+            _fsdp2_expert_grads(other, family, sc.ep)
+        # Per rank, the sum over its micro-batches of the reference's losses.
+        per_micro = [family.reference_losses(ref, [b[i] for b in batches], sc.ep) for i in micros]
+        ref_losses = [sum(per_rank) for per_rank in zip(*per_micro)]
         (sum(ref_losses) / world_size).backward()
         for i, loss in enumerate(losses):
             close(loss, ref_losses[rank].detach(), f"step {step} loss of {'fxshard' if i == 0 else 'FSDP2'}",
@@ -229,27 +301,25 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        if sc.same_weights:
+            compare_parameters(f"after step {step}")
     if not empty:
         found.check(False, "the routing gave every local expert tokens at every step: the empty case was not exercised")
     found.check(not model.fxshard_plan.sequenced, f"sequenced reads: {model.fxshard_plan.graph_break_reason}")
-    for (name, p), r, *q in zip(model.named_parameters(), ref.parameters(), *(o.parameters() for o in others)):
-        value, where = p.detach().full_tensor(), moved[name]
-        if r.grad is None and not r.requires_grad:
-            where = torch.ones_like(where)  # frozen: unchanged, everywhere
-        if sc.reference_atol is None:
-            close(value[where], r.detach()[where], f"{name} after {sc.steps} steps")
-        for other in q:
-            close(value, other.detach().full_tensor(), f"{name} after {sc.steps} steps against FSDP2")
+    if not sc.same_weights:
+        compare_parameters(f"after {sc.steps} steps")
     return found.found
 
 
-def _micro_batches(model: nn.Module, batches: list[torch.Tensor], sc: EPScenario) -> torch.Tensor:
+def _micro_batches(
+    model: nn.Module, family: EPModel, batches: list, sc: EPScenario, device: torch.device
+) -> torch.Tensor:
     """The step's loss, each micro-batch with its own backward."""
-    total = torch.zeros((), device=batches[0].device)
+    total = torch.zeros((), device=device)
     for i, batch in enumerate(batches):
         if sc.no_sync:
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        loss = lm_loss(model(batch), batch)
+        loss = family.loss(model, batch)
         loss.backward()
         total = total + loss.detach().float()
     return total
@@ -310,7 +380,7 @@ def dcp_check(rank: int, world_size: int) -> None:
             return fxshard.compile(model, dense["dp"], backend="aot_eager")
         model = ep_models.parallelize(model, sparse[ep]["ep"])
         if fsdp2:
-            return _fsdp2(model, dense["dp"], sparse[ep]["efsdp"])
+            return _fsdp2(model, EPModel(), dense["dp"], sparse[ep]["efsdp"])
         return fxshard.compile(model, dense["dp"], expert_mesh=sparse[ep]["efsdp"], backend="aot_eager")
 
     saved = loaded(2)
