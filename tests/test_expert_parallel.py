@@ -22,10 +22,13 @@ from tests.helpers.ep_parity import run_all
 # ZeRO-2, Inductor, ep 4 (efsdp of one rank), bf16 mixed precision,
 # accumulation without sync with clipping over both meshes, activation
 # checkpointing, frozen expert and non-expert parameters, no_shard beside
-# the experts, and DCP across EP sizes, without EP and into FSDP2.
+# the experts, DCP across EP sizes, without EP and into FSDP2, and
+# torchtitan's own Qwen3-MoE and DeepSeek-V3 with its AllToAllTokenDispatcher
+# (tests/helpers/ep_torchtitan.py; about 3 minutes each on 2 shared cores:
+# a whole decoder's compile on 4 ranks).
 DEFAULT = {4: ("moe", "different_init", "dump_marks", "cuda_graph_refuses")}
 FULL_CPU = {4: ("moe_zero2", "moe_inductor", "moe_ep4", "moe_bf16", "moe_no_sync_clip", "moe_checkpoint",
-                "moe_frozen", "moe_no_shard", "dcp")}  # fmt: skip
+                "moe_frozen", "moe_no_shard", "dcp", "qwen3_moe", "deepseek_v3")}  # fmt: skip
 
 
 def _cases() -> list:

@@ -5,7 +5,8 @@ The meshes are torchtitan's two views of one data-parallel world: ``dp``
 ``Shard(0)`` on ep, their shards over efsdp). Each rank trains three copies
 of one MoE model, all from the same full weights. The model comes from the
 scenario's ``EPModel``: ``EPModel`` itself is tests/helpers/ep_models.py's
-MoE decoder. The three copies:
+MoE decoder; tests/helpers/ep_torchtitan.py's ``TorchtitanMoE`` is
+torchtitan's own Qwen3-MoE or DeepSeek-V3. The three copies:
 - fxshard: ``parallelize`` on ``sparse["ep"]``, then
   ``fxshard.compile(model, dense["dp"], expert_mesh=sparse["efsdp"])``;
 - FSDP2: the same EP plan, then torchtitan's ``fully_shard`` of each block
@@ -16,8 +17,8 @@ MoE decoder. The three copies:
 Loss, every gradient (``full_tensor()``, compared relative to the largest
 reference gradient) and the parameters after the AdamW steps (where the
 reference gradient was non-zero at some step) must match, the reference's
-at fp32 tolerance, FSDP2's too. With ``same_weights`` (models whose experts
-compute in bf16) the reference starts each step from
+at fp32 tolerance, FSDP2's too. With ``same_weights`` (torchtitan's models,
+whose experts compute in bf16) the reference starts each step from
 fxshard's full weights, keeping its own AdamW state, and parameters are
 compared after every step; FSDP2 trains on its own throughout. The run also
 checks that the routing left some local expert of some EP rank with no
@@ -43,6 +44,7 @@ from torch.distributed.tensor import Replicate, Shard
 import fxshard
 from examples.llama import lm_loss
 from tests.helpers import ep_models, tp_parity
+from tests.helpers.ep_torchtitan import TorchtitanMoE
 from tests.helpers.parity import run_scenarios
 
 
@@ -102,7 +104,7 @@ class EPScenario:
     compile_kwargs: dict = field(default_factory=dict)
     ep: int = 2
     steps: int = 3
-    model: EPModel = EPModel()
+    model: EPModel | TorchtitanMoE = EPModel()
     atol: float = 1e-5  # relative to the largest reference gradient
     rtol: float = 1e-4
     # bf16 (as tests/helpers/tp_parity.py): a fraction of elements may differ,
@@ -129,8 +131,13 @@ class EPScenario:
     # The reference starts each step from fxshard's full weights (its AdamW
     # state stays its own), and parameters are compared after every step:
     # for models whose bf16 compute turns fp32 noise in one step's update into
-    # bf16 noise in the next step's gradients.
+    # bf16 noise in the next step's gradients (tests/helpers/ep_torchtitan.py).
     same_weights: bool = False
+
+    def __post_init__(self) -> None:
+        # Micro-batches and frozen parameters are tested with EPModel only:
+        # TorchtitanMoE gives one batch per step and names no expert weights.
+        assert isinstance(self.model, EPModel) or (self.micro_batches == 1 and not self.freeze), self
 
 
 BF16_TOLERANCES = dict(atol=3e-2, rtol=3e-2, outlier_fraction=0.01, reference_atol=5e-2)
@@ -155,6 +162,14 @@ SCENARIOS: dict[str, EPScenario] = {
     # A non-expert module kept replicated (the router's gate and the shared expert of one layer).
     "moe_no_shard": EPScenario(
         compile_kwargs=dict(backend="aot_eager"), no_shard=("layers.0.moe.router", "layers.1.moe.shared")
+    ),
+    # torchtitan's own models, EP applied as its trainer does (tests/helpers/ep_torchtitan.py): 8 experts,
+    # top 2, of 8 tokens per rank, so some expert of some EP rank receives no tokens.
+    "qwen3_moe": EPScenario(
+        compile_kwargs=dict(backend="aot_eager"), model=TorchtitanMoE("qwen3_moe", num_experts=8), same_weights=True
+    ),
+    "deepseek_v3": EPScenario(
+        compile_kwargs=dict(backend="aot_eager"), model=TorchtitanMoE("deepseek_v3", seq_len=4), same_weights=True
     ),
 }
 
