@@ -6,6 +6,7 @@
     python bench/bench.py --model 8b --fake-world 8 --systems fxshard,fsdp2_compile   # memory only
     python bench/bench.py --model tiny --device cpu --systems fxshard,fsdp2        # a smoke test (gloo)
     python bench/bench.py --model 8b --tp 2 --nproc-per-node 4 --systems fxshard,fsdp2_compile   # (dp 2, tp 2)
+    python bench/bench.py --model tt_qwen3_moe_1b --ep 2 --nproc-per-node 4 --systems fxshard,fsdp2_compile
 
 One process per system: a system leaves compile caches, allocator state,
 streams and NCCL communicators behind, and these slowed the next system in
@@ -52,6 +53,15 @@ from ``parallelize_module(model, mesh["tp"], plan)``, then its data
 parallelism over ``mesh["dp"]`` as above, in torchtitan's order (TP, then
 each block compiled, then ``fully_shard``). ``--batch`` is then per
 data-parallel rank: the ranks of one TP group train the same tokens.
+``--ep N``: expert parallelism as torchtitan sets it up, for its MoE
+models: a ("dp",) mesh of every rank and an ("efsdp", "ep") mesh with ep = N;
+the model's own EP setup (experts ``Shard(0)`` on ep, the all-to-all token
+dispatcher) for every system, then ``fxshard.compile(model, dense["dp"],
+expert_mesh=sparse["efsdp"])``, or torchtitan's FSDP2 (each block compiled
+with ``capture_scalar_outputs``, ``fully_shard`` per block with expert weights
+on efsdp through ``shard_placement_fn``, gradient division off and the loss
+divided by the world size instead, so that every gradient is the mean over
+all ranks as fxshard's is).
 ``--optimizer``: torch's default AdamW (foreach), fused AdamW, or
 SGD with momentum. ``--fxshard-tree DIR`` runs fxshard from another commit's
 files on this tree's models and step (bench/matrix.py uses it for the
@@ -159,6 +169,8 @@ OPTIMIZER = "adamw_fused"  # --optimizer
 MESH: tuple[int, ...] | None = None  # --mesh R,S: an HSDP mesh of R replicas of S shards
 TP = 1  # --tp N: tensor parallelism over the last mesh dimension, of size N
 LOSS_PARALLEL = False  # --loss-parallel: with --tp, vocab-sharded logits into the loss
+EP = 1  # --ep N: expert parallelism, experts sharded over an ep mesh dimension of size N
+LOSS_SCALE = 1.0  # the backward's loss over the reported one (FSDP2 under --ep: 1 / world size, see build)
 CAPTURABLE_OPTIMIZER = False  # --capturable: every system's AdamW capturable, as a captured step's must be
 
 
@@ -168,7 +180,7 @@ COMPILE_PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_g
                   "compile_fx_inner", "backward._backward_impl", "_compile.compile_inner")  # fmt: skip
 
 
-def build(system: str, spec, mesh, tp_mesh=None) -> torch.nn.Module:
+def build(system: str, spec, mesh, tp_mesh=None, ep_meshes=None) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = spec.make()
@@ -186,21 +198,57 @@ def build(system: str, spec, mesh, tp_mesh=None) -> torch.nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, spec.tp_plan(model, LOSS_PARALLEL))
+    expert_kwargs = {}
+    if EP > 1:  # the model's own EP setup first, as torchtitan's trainer does
+        ep_mesh, efsdp_mesh = ep_meshes
+        spec.ep_plan(model, ep_mesh)
+        expert_kwargs = {"expert_mesh": efsdp_mesh}
     fxshard_kwargs, fsdp2_kwargs = STRATEGIES[STRATEGY]
     if system in FXSHARD_VARIANTS:
         mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)
-        return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **fxshard_kwargs,
+        return fxshard.compile(model, mesh, mp_policy=mp, **{**FXSHARD_KWARGS, **expert_kwargs, **fxshard_kwargs,
                                                             **FXSHARD_VARIANTS[system]})  # fmt: skip
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if EP > 1 and system == "fsdp2_compile":
+        # torchtitan's apply_compile: the token dispatch's split sizes (tolist) stay in the block's graph
+        torch._dynamo.config.capture_scalar_outputs = True
     for key, block in list(blocks.named_children()):  # a ModuleList or, as torchtitan's, a ModuleDict
         if system == "fsdp2_compile":
             block = torch.compile(block)
             blocks.register_module(key, block)
-        fully_shard(block, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
+        placement = (
+            {"shard_placement_fn": expert_placement(spec.expert_params(block), mesh, ep_meshes[1])} if EP > 1 else {}
+        )
+        fully_shard(block, mesh=mesh, mp_policy=mp, **fsdp2_kwargs, **placement)
     fully_shard(model, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
+    if EP > 1:
+        # torchtitan's disable_fsdp_gradient_division: FSDP2 would average an expert's gradient over efsdp
+        # alone; with no division and the loss over the world size, every gradient is the mean over all ranks.
+        global LOSS_SCALE
+        LOSS_SCALE = 1.0 / dist.get_world_size()
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                if DEVICE == "cpu":  # gloo has no PREMUL_SUM, which a divide factor of 1.0 still reduces with
+                    module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def expert_placement(experts: set, dp_mesh, efsdp_mesh):
+    """torchtitan's ``shard_placement_fn`` under EP: expert weights ``Shard(0)`` over efsdp, the rest over dp
+    (FSDP2's private mesh-info types, as torchtitan imports them)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    dp_info, efsdp_info = _get_mesh_info(dp_mesh), _get_mesh_info(efsdp_mesh)
+
+    def place(param: torch.nn.Parameter):
+        return ShardPlacementResult(Shard(0), efsdp_info if param in experts else dp_info)
+
+    return place
 
 
 def make_optimizer(system: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -224,7 +272,7 @@ def make_step(system: str, model: torch.nn.Module, opt: torch.optim.Optimizer, s
             with torch.autocast(DEVICE, torch.bfloat16, enabled=system in REFERENCE), parallel_loss():
                 loss = spec.loss(model, micro) / MICRO_BATCHES
                 clock.lap("forward")
-                loss.backward()
+                (loss * LOSS_SCALE if LOSS_SCALE != 1.0 else loss).backward()
                 clock.lap("backward")
             if isinstance(loss, DTensor):  # loss parallelism: a replicated DTensor
                 loss = loss.to_local()
@@ -347,7 +395,7 @@ def graph_memory(step) -> dict:
     return {f: v / 2**30 if v is not None else None for f, v in values.items()}
 
 
-def run_system(system: str, name: str, mesh, batch: int | None, tp_mesh=None) -> dict:
+def run_system(system: str, name: str, mesh, batch: int | None, tp_mesh=None, ep_meshes=None) -> dict:
     spec = MODELS[name]()
     warmup, steps = spec.warmup, spec.steps
     batch = batch or spec.batch
@@ -356,7 +404,7 @@ def run_system(system: str, name: str, mesh, batch: int | None, tp_mesh=None) ->
         if PROFILE > steps:
             raise ValueError(f"--profile {PROFILE} would profile {system}'s capture; at most {steps} for {name}")
     rank = dist.get_rank()
-    model = build(system, spec, mesh, tp_mesh)
+    model = build(system, spec, mesh, tp_mesh, ep_meshes)
     params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(model)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -380,7 +428,7 @@ def run_system(system: str, name: str, mesh, batch: int | None, tp_mesh=None) ->
     result = dict(
         model=name, system=system, params=params, batch=batch, micro_batches=MICRO_BATCHES, seq=spec.seq,
         world_size=dist.get_world_size(), strategy=STRATEGY, optimizer=OPTIMIZER, mesh=list(mesh.shape),
-        tp=TP, sequence_parallel=TP > 1, loss_parallel=LOSS_PARALLEL,
+        tp=TP, sequence_parallel=TP > 1, loss_parallel=LOSS_PARALLEL, ep=EP,
         capturable=CAPTURABLE_OPTIMIZER or system in CAPTURABLE,
         frozen_layers=FROZEN_LAYERS, fxshard_tree=FXSHARD_TREE,
         warmup=warmup, step_ms=median * 1e3, tokens_per_s_per_gpu=tokens_per_gpu / median,
@@ -547,6 +595,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         run = f" #{r['run'] + 1}" if "run" in r else ""
         tp = f", tp {r['tp']}" if r.get("tp", 1) > 1 else ""
+        tp += f", ep {r['ep']}" if r.get("ep", 1) > 1 else ""
         rows.append(
             f"| {r['model']} ({r['params'] / 1e9:.2f}B, batch {r['batch']}{tp}) | {r['system']}{run} | {r['step_ms']:.1f} | "
             f"{r['tokens_per_s_per_gpu']:.0f} | {r['tflops_per_gpu']:.0f} | {r['peak_gib']:.2f} | "
@@ -652,6 +701,9 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser.add_argument("--tp", type=int, default=None,
                         help="N: tensor parallelism, a (dp = world / N, tp = N) mesh, the model's TP plan for "
                         "every system (default: none)")  # fmt: skip
+    parser.add_argument("--ep", type=int, default=None,
+                        help="N: expert parallelism, experts sharded over an ep mesh dimension of size N, with "
+                        "the model's own EP setup for every system (torchtitan's MoE models; default: none)")  # fmt: skip
     parser.add_argument("--loss-parallel", action="store_true",
                         help="with --tp: the logits sharded on the vocabulary, the loss under loss_parallel()")  # fmt: skip
     parser.add_argument("--fxshard-tree", default=None,
@@ -676,7 +728,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 
 # Options the driver passes on to each system's process as they were given.
 FORWARDED = ("model", "device", "batch", "prefetch", "unit_mb", "profile", "profile_host", "memory_step", "fake_world",
-             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "tp", "loss_parallel", "fxshard_tree",
+             "frozen_layers", "micro_batches", "strategy", "optimizer", "mesh", "tp", "ep", "loss_parallel", "fxshard_tree",
              "capturable")  # fmt: skip
 # What an outer torchrun sets for its workers; the driver's own torchrun sets its own.
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -763,8 +815,14 @@ def run_one(args: argparse.Namespace, system: str) -> None:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     else:
         dist.init_process_group("gloo")
-    tp_mesh = None
-    if TP > 1:  # ("dp", "tp") or ("replicate", "shard", "tp"); the systems shard data-parallel over the rest
+    tp_mesh = ep_meshes = None
+    if EP > 1:  # torchtitan's dense ("dp",) and sparse ("efsdp", "ep") meshes over the same ranks
+        if dist.get_world_size() % EP:
+            raise ValueError(f"--ep {EP} does not divide {dist.get_world_size()} ranks")
+        dense = init_device_mesh(DEVICE, (dist.get_world_size(),), mesh_dim_names=("dp",))
+        sparse = init_device_mesh(DEVICE, (dist.get_world_size() // EP, EP), mesh_dim_names=("efsdp", "ep"))
+        mesh, ep_meshes = dense["dp"], (sparse["ep"], sparse["efsdp"])
+    elif TP > 1:  # ("dp", "tp") or ("replicate", "shard", "tp"); the systems shard data-parallel over the rest
         if dist.get_world_size() % TP or (MESH and MESH[0] * MESH[1] * TP != dist.get_world_size()):
             raise ValueError(f"--tp {TP}{f' --mesh {args.mesh}' if MESH else ''} does not divide "
                              f"{dist.get_world_size()} ranks")  # fmt: skip
@@ -781,7 +839,7 @@ def run_one(args: argparse.Namespace, system: str) -> None:
                 precision="bf16 compute, fp32 reduce",
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
                 fake_world=args.fake_world, fxshard_tree=FXSHARD_TREE)  # fmt: skip
-    result = run_system(system, args.model, mesh, args.batch, tp_mesh)
+    result = run_system(system, args.model, mesh, args.batch, tp_mesh, ep_meshes)
     if dist.get_rank() == 0:
         print(table([result]), flush=True)
         if args.out:
@@ -792,7 +850,7 @@ def run_one(args: argparse.Namespace, system: str) -> None:
 def main() -> None:
     parser, args = parse_args()
     global DEVICE, PROFILE, PROFILE_HOST, MEMORY_STEP, FROZEN_LAYERS, MICRO_BATCHES, STRATEGY, OPTIMIZER, MESH
-    global CAPTURABLE_OPTIMIZER, TP, LOSS_PARALLEL
+    global CAPTURABLE_OPTIMIZER, TP, LOSS_PARALLEL, EP
     DEVICE = args.device
     MICRO_BATCHES = args.micro_batches or 1
     FROZEN_LAYERS = args.frozen_layers
@@ -801,6 +859,12 @@ def main() -> None:
     TP, LOSS_PARALLEL = args.tp or 1, args.loss_parallel
     if TP > 1 and MODELS[args.model]().tp_plan is None:
         parser.error(f"--tp: {args.model} has no TP plan (ModelSpec.tp_plan in bench/models.py; the Llamas have one)")
+    EP = args.ep or 1
+    if EP > 1 and MODELS[args.model]().ep_plan is None:
+        parser.error(f"--ep: {args.model} has no expert-parallel setup (ModelSpec.ep_plan in bench/models.py; "
+                     f"torchtitan's MoE models have one)")  # fmt: skip
+    if EP > 1 and (TP > 1 or MESH):
+        parser.error("--ep with --tp or --mesh: not benchmarked (fxshard refuses EP with TP or HSDP)")
     if LOSS_PARALLEL and TP == 1:
         parser.error("--loss-parallel shards the logits over the tp mesh dimension: give --tp too")
     PROFILE, PROFILE_HOST = args.profile, args.profile_host

@@ -22,7 +22,9 @@ each system runs in its own ``torchrun`` process (bench/bench.py
   regression shows up as a number.
 A row with ``tp`` (bench.py ``--tp``) runs every system on a (dp, tp) mesh
 with the model's TP plan (torchtitan's Llama plan, sequence parallelism on):
-FSDP2 + compile with the same plan is the baseline. Rows that need more GPUs
+FSDP2 + compile with the same plan is the baseline. A row with ``ep``
+(bench.py ``--ep``) runs torchtitan's MoE model with its expert-parallel
+setup for every system; the baseline is torchtitan's FSDP2 + EP. Rows that need more GPUs
 than there are (HSDP 2 x 2 needs 4) are listed as skipped. The JSON keeps
 every result; the markdown table gives step time, peak allocated and
 reserved memory, TFLOP/s per GPU with the MFU against 790 (a measured bf16
@@ -59,6 +61,7 @@ class Row:
     mesh: str | None = None  # "R,S": HSDP
     tp: int = 1  # >1: a (dp, tp) mesh, the model's TP plan for every system (bench.py --tp)
     loss_parallel: bool = False  # with tp: vocab-sharded logits into the loss (bench.py --loss-parallel)
+    ep: int = 1  # >1: experts sharded over an ep mesh dimension, torchtitan's EP setup for every system (bench.py --ep)
     frozen_layers: int = 0
     micro_batches: int = 0
     graph: bool = False  # the whole step in fxshard.cuda_graph
@@ -74,6 +77,8 @@ class Row:
             flags.append(f"--tp={self.tp}")
         if self.loss_parallel:
             flags.append("--loss-parallel")
+        if self.ep > 1:
+            flags.append(f"--ep={self.ep}")
         if self.graph:  # a captured step's AdamW is capturable: give every system the same one
             flags.append("--capturable")
         return flags
@@ -116,6 +121,10 @@ ROWS = [
     Row("1b b4 tp2", "1b", 4, tp=2),
     Row("1b b4 tp2 loss parallel", "1b", 4, tp=2, loss_parallel=True),  # torchtitan's default
     Row("8b b1 tp2", "8b", 1, tp=2, gpus=4),
+    # Expert parallelism (issue 29): torchtitan's Qwen3-MoE code at 1.4B, its EP setup; FSDP2 + compile is
+    # torchtitan's (EP, each block compiled, experts' FSDP over efsdp). 4 GPUs: (efsdp 2, ep 2); 2: (1, 2).
+    Row("tt_qwen3_moe_1b b2", "tt_qwen3_moe_1b", 2),
+    Row("tt_qwen3_moe_1b b2 ep2", "tt_qwen3_moe_1b", 2, ep=2),
     # CUDA graphs: the captured step against the same step uncaptured.
     Row("375m b1 graph", "375m", 1, graph=True),
     Row("1b b4 graph", "1b", 4, graph=True),
@@ -412,8 +421,10 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="matrix-") as tmp:
         for row in rows:
-            if row.gpus > nproc or nproc % row.tp:
-                need = f"{row.gpus} GPUs" if row.gpus > nproc else f"a GPU count divisible by tp {row.tp}"
+            if row.gpus > nproc or nproc % row.tp or nproc % row.ep:
+                need = (
+                    f"{row.gpus} GPUs" if row.gpus > nproc else f"a GPU count divisible by tp {row.tp} and ep {row.ep}"
+                )
                 entry = {"row": dataclasses.asdict(row), "results": {}, "skipped": f"needs {need}"}
             else:
                 entry = run_row(row, baselines, nproc, args.timeout, Path(tmp), args.repeat)

@@ -15,15 +15,20 @@
   torchtitan's graph trainer tests do). They take packed tokens. FSDP2's
   systems here are torchtitan's own setup: each block compiled, then
   ``fully_shard`` per block and on the root.
-- ``tiny``, ``moe_tiny``, ``hybrid_tiny``, ``tt_tiny``: the same code at test size, for a
-  smoke test on CPU (``--device cpu``).
+- ``tt_qwen3_moe_1b``: torchtitan's Qwen3-MoE code at 1.4B (16 layers, dim
+  1024, 32 experts of hidden 768, top-8), built with its own layer builders:
+  the expert-parallel rows' model (bench.py ``--ep``).
+- ``tiny``, ``moe_tiny``, ``hybrid_tiny``, ``tt_tiny``, ``tt_qwen3_moe_tiny``: the same code
+  at test size, for a smoke test on CPU (``--device cpu``).
 
 The Llamas have a tensor-parallel plan (bench.py ``--tp``): torchtitan's
 (tests/helpers/tp_models.py ``llama_tp_plan``, the plan the TP parity tests
 use), with sequence parallelism, as torchtitan's default: attention and MLP
 column- then row-wise, the embedding row-wise, the output column-wise, the
 norms sequence-parallel; the logits replicated, or sharded on the vocabulary
-with loss parallelism.
+with loss parallelism. torchtitan's MoE models have an expert-parallel setup
+(bench.py ``--ep``): torchtitan's own (tests/helpers/ep_torchtitan.py),
+experts ``Shard(0)`` on the ep mesh with its all-to-all token dispatcher.
 
 FLOPs per token are 6 x the parameters a token passes through (OLMoE: the
 router's top-k experts, not all of them) + 6 x attention layers x seq x dim,
@@ -57,6 +62,10 @@ class ModelSpec:
     flops_per_token: Callable[[nn.Module], float]  # training FLOPs per token (see the module docstring)
     # (model, loss_parallel) -> the TP plan for parallelize_module (--tp); None: the model has none
     tp_plan: Callable[[nn.Module, bool], dict] | None = None
+    # (model, ep mesh) -> the model's own expert-parallel setup (--ep); None: the model has none
+    ep_plan: Callable[[nn.Module, object], nn.Module] | None = None
+    # block -> its expert parameters, which FSDP2 shards over efsdp under --ep (torchtitan's shard_placement_fn)
+    expert_params: Callable[[nn.Module], set] | None = None
 
 
 def _llama(cfg: LlamaConfig, batch: int, warmup: int, steps: int) -> ModelSpec:
@@ -118,10 +127,15 @@ def _hybrid(batch: int, warmup: int, steps: int, seq: int, **sizes) -> ModelSpec
     )  # fmt: skip
 
 
-def _torchtitan(model: str, flavour: str, batch: int, warmup: int, steps: int, seq: int) -> ModelSpec:
-    from tests.torchtitan.configs import flavour_config, init
+def _torchtitan(model: str, flavour: str | dict, batch: int, warmup: int, steps: int, seq: int) -> ModelSpec:
+    """torchtitan's ``model`` at its ``flavour``, or, given a dict, tests/torchtitan/configs.py's
+    config of ``model`` at those sizes (built with torchtitan's own layer builders)."""
+    from tests.torchtitan.configs import CONFIGS, flavour_config, init
 
-    config = flavour_config(model, flavour, seq_len=seq)
+    if isinstance(flavour, dict):
+        config = CONFIGS[model](seq_len=seq, **flavour)
+    else:
+        config = flavour_config(model, flavour, seq_len=seq)
     layers = len(config.layers)
 
     def make() -> nn.Module:
@@ -145,7 +159,23 @@ def _torchtitan(model: str, flavour: str, batch: int, warmup: int, steps: int, s
     return ModelSpec(
         make=make, vocab=config.vocab_size, seq=seq, batch=batch, warmup=warmup, steps=steps,
         blocks=lambda m: m.layers, loss=loss, flops_per_token=flops,
+        ep_plan=_torchtitan_ep if any(getattr(layer, "moe", None) for layer in config.layers) else None,
+        expert_params=_torchtitan_experts,
     )  # fmt: skip
+
+
+def _torchtitan_ep(model: nn.Module, ep_mesh) -> nn.Module:
+    """torchtitan's EP setup: experts Shard(0) on ep, its all-to-all dispatcher wired to the ep mesh
+    (tests/helpers/ep_torchtitan.py)."""
+    from tests.helpers.ep_torchtitan import parallelize
+
+    return parallelize(model, ep_mesh)
+
+
+def _torchtitan_experts(block: nn.Module) -> set:
+    if not getattr(block, "moe_enabled", False):
+        return set()
+    return set(block.moe.routed_experts.inner_experts.parameters())
 
 
 def _top_k(module: nn.Module, name: str) -> int:
@@ -169,6 +199,10 @@ MODELS: dict[str, Callable[[], ModelSpec]] = {
     "tt_llama3_1b": lambda: _torchtitan("llama3", "1B", 2, 4, 12, SEQ),
     "tt_qwen3_moe": lambda: _torchtitan("qwen3", "debugmodel_moe", 4, 4, 12, SEQ),
     "tt_dsv3": lambda: _torchtitan("deepseek_v3", "debugmodel", 4, 4, 12, SEQ),
+    # Qwen3-MoE at 1.4B (32 experts, top-8, Qwen3's 128-wide heads): the expert-parallel row's model.
+    "tt_qwen3_moe_1b": lambda: _torchtitan("qwen3_moe", dict(
+        dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=768, num_experts=32, top_k=8,
+        vocab=32768, max_context=SEQ), 2, 4, 12, SEQ),
     "tiny": lambda: _llama(LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=48, max_len=64,
                                        tie_embeddings=False), 1, 1, 2),
     "moe_tiny": lambda: _olmoe(1, 1, 2, vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
@@ -176,4 +210,5 @@ MODELS: dict[str, Callable[[], ModelSpec]] = {
                                max_position_embeddings=64),
     "hybrid_tiny": lambda: _hybrid(1, 1, 2, 64, vocab=41, dim=20, heads=2, pattern="amx"),
     "tt_tiny": lambda: _torchtitan("deepseek_v3", "tiny", 1, 1, 2, 32),
+    "tt_qwen3_moe_tiny": lambda: _torchtitan("qwen3_moe", dict(num_experts=4), 1, 1, 2, 32),
 }  # fmt: skip

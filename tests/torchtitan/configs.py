@@ -162,15 +162,30 @@ def qwen3_config(*, tied: bool = False, attn: str = "sdpa", seq_len: int | None 
     return _with_attention(config, attn, seq_len)
 
 
-def qwen3_moe_config(*, attn: str = "sdpa", seq_len: int | None = SEQ_LEN, num_experts: int = 5) -> Qwen3Model.Config:
+def qwen3_moe_config(
+    *,
+    attn: str = "sdpa",
+    seq_len: int | None = SEQ_LEN,
+    num_experts: int = 5,
+    top_k: int = 2,
+    dim: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 16,
+    moe_hidden_dim: int = 40,
+    vocab: int = 127,
+    max_context: int = MAX_CONTEXT,
+) -> Qwen3Model.Config:
     """Qwen3-MoE as torchtitan's ``_debugmodel_moe``/``_30b_a3b``: 5 experts, top-2, softmax + route_norm.
 
     Expert hidden dims stay multiples of 8: ``torch._grouped_mm`` needs 16-byte
     strides in bf16 (on CPU as on GPU). The odd expert count shards unevenly;
     expert parallelism needs ``num_experts`` divisible by ep (torchtitan's
     dispatcher views the per-expert counts as ``(ep, experts // ep)``).
+    The sizes are keywords so that the benchmark can build it larger
+    (bench/models.py ``tt_qwen3_moe_1b``); the defaults are the test size.
     """
-    dim, head_dim, vocab = 64, 16, 127
     config = Qwen3Model.Config(
         vocab_size=vocab,
         dim=dim,
@@ -179,16 +194,16 @@ def qwen3_moe_config(*, attn: str = "sdpa", seq_len: int | None = SEQ_LEN, num_e
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_QWEN3_LINEAR_INIT),
         layers=_build_qwen3_moe_layers(
             fuse_qkv=True,
-            n_layers=2,
+            n_layers=n_layers,
             dim=dim,
-            n_heads=4,
-            n_kv_heads=2,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
             head_dim=head_dim,
-            moe_hidden_dim=40,
+            moe_hidden_dim=moe_hidden_dim,
             num_experts=num_experts,
-            top_k=2,
+            top_k=top_k,
             attn_backend=_backend(attn),
-            rope=CosSinRoPE.Config(dim=head_dim, max_context_length=MAX_CONTEXT, theta=1000000.0),
+            rope=CosSinRoPE.Config(dim=head_dim, max_context_length=max_context, theta=1000000.0),
             moe_comm_backend="standard",
         ),
     )
