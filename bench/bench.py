@@ -59,7 +59,8 @@ the model's own EP setup (experts ``Shard(0)`` on ep, the all-to-all token
 dispatcher) for every system, then ``fxshard.compile(model, dense["dp"],
 expert_mesh=sparse["efsdp"])``, or torchtitan's FSDP2 (each block compiled
 with ``capture_scalar_outputs``, ``fully_shard`` per block with expert weights
-on efsdp through ``shard_placement_fn``, gradient division off and the loss
+on efsdp through ``shard_placement_fn``, or their own ``fully_shard`` where
+FSDP2 has no per-parameter mesh (torch 2.11), gradient division off and the loss
 divided by the world size instead, so that every gradient is the mean over
 all ranks as fxshard's is).
 ``--optimizer``: torch's default AdamW (foreach), fused AdamW, or
@@ -218,10 +219,12 @@ def build(system: str, spec, mesh, tp_mesh=None, ep_meshes=None) -> torch.nn.Mod
         if system == "fsdp2_compile":
             block = torch.compile(block)
             blocks.register_module(key, block)
-        placement = (
-            {"shard_placement_fn": expert_placement(spec.expert_params(block), mesh, ep_meshes[1])} if EP > 1 else {}
-        )
-        fully_shard(block, mesh=mesh, mp_policy=mp, **fsdp2_kwargs, **placement)
+        if EP > 1:
+            from tests.helpers.ep_parity import fully_shard_block  # torchtitan's FSDP2 of a block under EP
+
+            fully_shard_block(block, spec.expert_module(block), mesh, ep_meshes[1], mp_policy=mp, **fsdp2_kwargs)
+        else:
+            fully_shard(block, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
     fully_shard(model, mesh=mesh, mp_policy=mp, **fsdp2_kwargs)
     if EP > 1:
         # torchtitan's disable_fsdp_gradient_division: FSDP2 would average an expert's gradient over efsdp
@@ -234,21 +237,6 @@ def build(system: str, spec, mesh, tp_mesh=None, ep_meshes=None) -> torch.nn.Mod
                 if DEVICE == "cpu":  # gloo has no PREMUL_SUM, which a divide factor of 1.0 still reduces with
                     module.set_force_sum_reduction_for_comms(True)
     return model
-
-
-def expert_placement(experts: set, dp_mesh, efsdp_mesh):
-    """torchtitan's ``shard_placement_fn`` under EP: expert weights ``Shard(0)`` over efsdp, the rest over dp
-    (FSDP2's private mesh-info types, as torchtitan imports them)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-    from torch.distributed.tensor import Shard
-
-    dp_info, efsdp_info = _get_mesh_info(dp_mesh), _get_mesh_info(efsdp_mesh)
-
-    def place(param: torch.nn.Parameter):
-        return ShardPlacementResult(Shard(0), efsdp_info if param in experts else dp_info)
-
-    return place
 
 
 def make_optimizer(system: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

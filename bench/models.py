@@ -64,8 +64,8 @@ class ModelSpec:
     tp_plan: Callable[[nn.Module, bool], dict] | None = None
     # (model, ep mesh) -> the model's own expert-parallel setup (--ep); None: the model has none
     ep_plan: Callable[[nn.Module, object], nn.Module] | None = None
-    # block -> its expert parameters, which FSDP2 shards over efsdp under --ep (torchtitan's shard_placement_fn)
-    expert_params: Callable[[nn.Module], set] | None = None
+    # block -> the module holding its experts' weights (None: it has none), which FSDP2 shards over efsdp (--ep)
+    expert_module: Callable[[nn.Module], nn.Module | None] | None = None
 
 
 def _llama(cfg: LlamaConfig, batch: int, warmup: int, steps: int) -> ModelSpec:
@@ -160,7 +160,7 @@ def _torchtitan(model: str, flavour: str | dict, batch: int, warmup: int, steps:
         make=make, vocab=config.vocab_size, seq=seq, batch=batch, warmup=warmup, steps=steps,
         blocks=lambda m: m.layers, loss=loss, flops_per_token=flops,
         ep_plan=_torchtitan_ep if any(getattr(layer, "moe", None) for layer in config.layers) else None,
-        expert_params=_torchtitan_experts,
+        expert_module=_torchtitan_experts,
     )  # fmt: skip
 
 
@@ -172,10 +172,8 @@ def _torchtitan_ep(model: nn.Module, ep_mesh) -> nn.Module:
     return parallelize(model, ep_mesh)
 
 
-def _torchtitan_experts(block: nn.Module) -> set:
-    if not getattr(block, "moe_enabled", False):
-        return set()
-    return set(block.moe.routed_experts.inner_experts.parameters())
+def _torchtitan_experts(block: nn.Module) -> nn.Module | None:
+    return block.moe.routed_experts.inner_experts if getattr(block, "moe_enabled", False) else None
 
 
 def _top_k(module: nn.Module, name: str) -> int:

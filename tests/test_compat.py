@@ -175,3 +175,24 @@ def test_all_names_exactly_the_public_names_of_its_modules():
     assert sorted(compat.__all__) == sorted(listed)
     for module in [compat, *modules]:
         assert _public_names(module) == set(module.__all__), module.__name__
+
+
+def test_a_size_that_depends_on_data_has_a_hint_on_every_torch(monkeypatch):
+    """The tokens an expert-parallel all-to-all receives are unbacked sizes.
+    torch 2.11's hint_int raises on them (and the peak estimate failed on the
+    GPU machines); each unbacked symbol counts as Inductor's fallback, as
+    torch 2.13's optimization_hint counts it."""
+    from torch._inductor import config
+    from torch.fx.experimental import symbolic_shapes
+
+    env = symbolic_shapes.ShapeEnv()
+    u0, u1 = env.create_unbacked_symint(), env.create_unbacked_symint()
+    expected = 1024 * 2 * config.unbacked_symint_fallback
+    assert compat.size_hint(1024 * (u0 + u1)) == expected
+
+    def raises(value, fallback=None):  # torch 2.11's hint_int on an unbacked size
+        raise symbolic_shapes.GuardOnDataDependentSymNode(f"data-dependent expression {value}")
+
+    monkeypatch.setattr(symbolic_shapes, "optimization_hint", raises, raising=False)
+    assert compat.size_hint(1024 * (u0 + u1)) == expected
+    assert compat.size_hint(7) == 7

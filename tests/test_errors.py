@@ -179,3 +179,23 @@ def test_environment_is_read_once_at_compile(fake_pg, monkeypatch, set_before_co
     model(torch.arange(18).reshape(2, 9) % 37).sum().backward()
     (record,) = model.fxshard_plan.graphs
     assert bool(record.outline.bodies) is not set_before_compile
+
+
+def test_a_data_dependent_error_in_fxshards_own_passes_is_not_a_graph_break(no_dist, monkeypatch):
+    """The backend counts a data-dependent error of tracing as the model's
+    graph break. Raised by fxshard's own passes (the peak estimate read an
+    expert all-to-all's token count on torch 2.11), it was reported as a graph
+    break with advice to the user; it is fxshard's bug and says so."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from fxshard.passes import pipeline
+
+    def data_dependent(*args, **kwargs):
+        raise GuardOnDataDependentSymNode("Could not extract specialized integer from data-dependent expression u0")
+
+    monkeypatch.setattr(pipeline, "graph_peak", data_dependent)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    with pytest.raises(RuntimeError, match="bug in fxshard, not in the model") as caught:
+        model(torch.randn(2, 4))
+    assert "graph break in" not in str(caught.value) and model.fxshard_plan.graph_break_reason is None

@@ -303,6 +303,27 @@ class FXShardBackend:
         **kwargs: Any,
     ) -> Any:
         phase = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        try:
+            gm = self._own_passes(record, dumper, gm, example_inputs, phase)
+        except Exception as error:
+            if not compat.is_data_dependent(error):
+                raise
+            # Not a graph break of the model (the backend's data-dependent errors count as one: see
+            # compat.is_graph_break), so it must not send the model to the sequenced path or be reported as one.
+            raise RuntimeError(
+                f"fxshard: its passes over graph {record.index} ({phase}) read a size that depends on "
+                f"data ({compat.graph_break_reason(error)}). This is a bug in fxshard, not in the model: please "
+                "report it with the FXSHARD_DUMP output"
+            ) from error
+        log.info("fxshard rank %d %s", self.spec.rank, record.reports[phase].format().splitlines()[0])
+        if self.spec.compiler == "aot_eager":
+            return compat.make_boxed_func(gm)
+        return compat.compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def _own_passes(
+        self, record: GraphRecord, dumper: Dumper | None, gm: fx.GraphModule, example_inputs: Sequence[Any], phase: str
+    ) -> fx.GraphModule:
+        """fxshard's passes over one traced graph of ``phase``, its estimates and buffer plan."""
         record.reports[phase] = graph_report(gm, phase)
         self._note_saved_full_weights(record, phase, gm)
         decompositions = compat.inductor_decompositions() if self.spec.compiler == "inductor" else None
@@ -333,10 +354,7 @@ class FXShardBackend:
         setattr(record, phase, gm)
         if dumper:
             dumper.text("summary.txt", record.summary())
-        log.info("fxshard rank %d %s", self.spec.rank, record.reports[phase].format().splitlines()[0])
-        if self.spec.compiler == "aot_eager":
-            return compat.make_boxed_func(gm)
-        return compat.compile_fx_inner(gm, example_inputs, **kwargs)
+        return gm
 
     @staticmethod
     def _note_saved_full_weights(record: GraphRecord, phase: str, gm: fx.GraphModule) -> None:

@@ -182,20 +182,37 @@ def run_all(rank: int, world_size: int, names: list[str]) -> dict[str, str | Non
 def _fsdp2(
     model: nn.Module, family: EPModel, dp_mesh, efsdp_mesh, mp: fxshard.MixedPrecision | None = None
 ) -> nn.Module:
-    """torchtitan's ``apply_fsdp_to_decoder`` for EP > 1 (private FSDP2 APIs, as torchtitan imports them)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-
-    dp_info, edp_info = _get_mesh_info(dp_mesh), _get_mesh_info(efsdp_mesh)
+    """torchtitan's ``apply_fsdp_to_decoder`` for EP > 1."""
     policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype) if mp is not None else MixedPrecisionPolicy()
     for block, inner in family.blocks(model):
-        experts = set(inner.parameters()) if inner is not None else set()
-
-        def place(param: nn.Parameter, experts: set = experts) -> ShardPlacementResult:
-            return ShardPlacementResult(Shard(0), edp_info if param in experts else dp_info)
-
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=place, mp_policy=policy)
+        fully_shard_block(block, inner, dp_mesh, efsdp_mesh, mp_policy=policy)
     return fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+
+
+def fully_shard_block(block: nn.Module, experts: nn.Module | None, dp_mesh, efsdp_mesh, **kwargs: Any) -> None:
+    """torchtitan's ``fully_shard`` of one block under EP: the block over dp,
+    the expert weights of ``experts`` (if any) ``Shard(0)`` over efsdp, through
+    ``shard_placement_fn``'s per-parameter mesh (private FSDP2 APIs, as
+    torchtitan imports them). FSDP2 without per-parameter meshes (torch 2.11)
+    gets torchtitan's earlier form: the experts' module sharded on its own
+    over efsdp, then the block over dp."""
+    if experts is None:
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    except ImportError:
+        fully_shard(experts, mesh=efsdp_mesh, **kwargs)
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+        return
+    dp_info, edp_info = _get_mesh_info(dp_mesh), _get_mesh_info(efsdp_mesh)
+    params = set(experts.parameters())
+
+    def place(param: nn.Parameter) -> ShardPlacementResult:
+        return ShardPlacementResult(Shard(0), edp_info if param in params else dp_info)
+
+    fully_shard(block, mesh=dp_mesh, shard_placement_fn=place, **kwargs)
 
 
 def _fsdp2_expert_grads(model: nn.Module, family: EPModel, ep: int) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "debug_calls_in_traces",
     "graph_break_reason",
     "is_checkpoint_region",
+    "is_data_dependent",
     "is_graph_break",
     "is_user_error",
     "skip_as_top_frame",
@@ -72,6 +73,13 @@ def is_graph_break(error: BaseException) -> bool:
         error = getattr(error, "inner_exception", None) or error.__cause__
         return isinstance(error, _BACKEND_BREAKS)
     return isinstance(error, _GRAPH_BREAKS)
+
+
+def is_data_dependent(error: BaseException) -> bool:
+    """Whether ``error`` is a symbolic-shapes error about a size or value
+    that depends on data (what the backend counts as a graph break when it
+    comes from tracing the user's code)."""
+    return isinstance(error, _BACKEND_BREAKS)
 
 
 def graph_break_reason(error: BaseException) -> str:

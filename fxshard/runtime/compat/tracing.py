@@ -107,12 +107,31 @@ def is_higher_order_op(target: Any) -> bool:
 def size_hint(value: Any) -> int:
     """An int for a size that may be symbolic (dynamic shapes): its example
     value, read without adding a guard (``int()`` on a SymInt would guard
-    and so cause recompiles)."""
+    and so cause recompiles). A size that depends on data (an unbacked
+    symbol: the tokens an expert-parallel all-to-all receives) has no example
+    value; each such symbol counts as Inductor's ``unbacked_symint_fallback``,
+    as torch's ``optimization_hint`` counts it, on every torch (2.11's
+    ``hint_int`` raises instead): the estimate is a guess, the same on every rank."""
     if isinstance(value, int):
         return value
     from torch.fx.experimental import symbolic_shapes
 
     hint = getattr(symbolic_shapes, "optimization_hint", None) or getattr(symbolic_shapes, "hint_int", None)
-    if hint is None:  # pragma: no cover - neither name in this torch
-        return value.node.hint
-    return int(hint(value))
+    try:
+        if hint is None:  # pragma: no cover - neither name in this torch
+            return int(value.node.hint)
+        return int(hint(value))
+    except symbolic_shapes.GuardOnDataDependentSymNode:
+        return _unbacked_size_hint(value)
+
+
+def _unbacked_size_hint(value: torch.SymInt) -> int:
+    """``size_hint`` of a size with unbacked symbols: backed symbols at their
+    example values, unbacked ones at Inductor's fallback."""
+    from torch._inductor import config
+
+    env, expr = value.node.shape_env, value.node.expr
+    expr = env.replace(expr)
+    values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # renamed in 2.12
+    subs = {s: values.get(s, config.unbacked_symint_fallback) for s in expr.free_symbols}
+    return int(expr.xreplace(subs))
