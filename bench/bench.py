@@ -58,7 +58,7 @@ models: a ("dp",) mesh of every rank and an ("efsdp", "ep") mesh with ep = N;
 the model's own EP setup (experts ``Shard(0)`` on ep, the all-to-all token
 dispatcher) for every system, then ``fxshard.compile(model, dense["dp"],
 expert_mesh=sparse["efsdp"])``, or torchtitan's FSDP2 (each block compiled
-with ``capture_scalar_outputs``, ``fully_shard`` per block with expert weights
+(without torchtitan's ``capture_scalar_outputs``: see ``build``), ``fully_shard`` per block with expert weights
 on efsdp through ``shard_placement_fn``, or their own ``fully_shard`` where
 FSDP2 has no per-parameter mesh (torch 2.11), gradient division off and the loss
 divided by the world size instead, so that every gradient is the mean over
@@ -212,9 +212,10 @@ def build(system: str, spec, mesh, tp_mesh=None, ep_meshes=None) -> torch.nn.Mod
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if EP > 1 and system == "fsdp2_compile":
-        # torchtitan's apply_compile: the token dispatch's split sizes (tolist) stay in the block's graph
-        torch._dynamo.config.capture_scalar_outputs = True
+    # Under EP, torchtitan's apply_compile sets dynamo's capture_scalar_outputs, so that the token dispatch's
+    # split sizes (tolist) stay in the block's graph. On torch 2.11 Inductor's code for that graph then fails
+    # its own runtime assert on the all-to-all's received token count ("RuntimeError: Eq(u0 + u1, 32768)"),
+    # so it stays off here: each block's graph breaks at the dispatch, the code around it compiled.
     for key, block in list(blocks.named_children()):  # a ModuleList or, as torchtitan's, a ModuleDict
         if system == "fsdp2_compile":
             block = torch.compile(block)
