@@ -6,7 +6,8 @@
 # GATE_TIMEOUT still shows how far it got.
 #   OUT=/tmp/gate bash bench/scripts/nccl_gate.sh
 # GATE_GROUPS picks groups: core1 core2 core3 hf params (parameters,
-# checkpoints, the zoo) tp (FSDP + TP) ep (FSDP + EP), the last two on every GPU present.
+# checkpoints, the zoo) tt (torchtitan's models, tests/test_torchtitan.py)
+# tp (FSDP + TP) ep (FSDP + EP), the last two on every GPU present.
 set -u
 OUT=${OUT:-/tmp/fxshard-nccl-gate}
 mkdir -p "$OUT"
@@ -15,9 +16,10 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 declare -A groups=(
   [core1]="core1" [core2]="core2" [core3]="core3" [hf]="hf"
   [params]="writes_meta or checkpoint_round or zoo_seeds"
-  [tp]="tensor_parallel" [ep]="expert_parallel"
+  [tp]="tensor_parallel" [ep]="expert_parallel" [tt]="model_gpu"
 )
-selected=${GATE_GROUPS:-core1 core2 core3 hf params tp ep}
+declare -A files=([tt]="tests/test_torchtitan.py")
+selected=${GATE_GROUPS:-core1 core2 core3 hf params tt tp ep}
 gpus=$(nvidia-smi -L | wc -l)
 pair=0
 for g in $selected; do
@@ -28,7 +30,7 @@ for g in $selected; do
     pair=$((pair + 1))
   fi
   CUDA_VISIBLE_DEVICES=$visible timeout "${GATE_TIMEOUT:-560}" \
-    python -m pytest -q -s -rA tests/test_gpu.py -k "${groups[$g]}" > "$OUT/nccl-$g.log" 2>&1 &
+    python -m pytest -q -s -rA "${files[$g]:-tests/test_gpu.py}" -k "${groups[$g]}" > "$OUT/nccl-$g.log" 2>&1 &
 done
 wait
 for g in $selected; do
