@@ -42,6 +42,11 @@ def test_gradients_through_attributes_at_zero1():
     check_results(run_ranks(2, run_checks, ["grads_through_attribute_zero1", "loss_outside_forward_zero1"]))
 
 
+@pytest.mark.full_cpu  # CPU time: Inductor's compiles, twice (the outer torch.compile's and fxshard's)
+def test_outer_compile_under_inductor():
+    check_results(run_ranks(2, run_checks, ["outer_compile_inductor"]))
+
+
 @pytest.mark.parametrize(
     "world_size", [pytest.param(1, marks=pytest.mark.full_cpu), 2, pytest.param(3, marks=pytest.mark.full_cpu), 4]
 )

@@ -205,14 +205,14 @@ def init_through_shards_check(rank: int, world_size: int) -> dict:
     return {}
 
 
-def outer_compile_check(rank: int, world_size: int) -> dict:
+def outer_compile_check(rank: int, world_size: int, backend: str = "aot_eager") -> dict:
     """``torch.compile(model)`` over a compiled model, as users wrap models out
     of habit, trains as the model does (AOTAutograd refused the shards as
-    inputs once: "expected DTensor, got ShardParameter")."""
+    inputs once: "expected DTensor, got ShardParameter"); ``backend`` for both."""
     torch.manual_seed(0)
     model = models.TinyLlama(tie=False).to(_device())
     ref = copy.deepcopy(model)
-    wrapped = torch.compile(fxshard.compile(model, backend="aot_eager"), backend="aot_eager")
+    wrapped = torch.compile(fxshard.compile(model, backend=backend), backend=backend)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(2):
         tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r)).to(_device())
@@ -576,6 +576,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check, "structure": structure_check,
               "state_dict_aliases": state_dict_aliases_check, "init_through_shards": init_through_shards_check,
               "outer_compile": outer_compile_check, "optimizer_before_compile": optimizer_before_compile_check,
+              "outer_compile_inductor": lambda r, ws: outer_compile_check(r, ws, backend="inductor"),
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
               "writes_zero1": lambda r, ws: writes_check(r, ws, zero_stage=1), "held_values": held_values_check,
