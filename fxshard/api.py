@@ -233,8 +233,6 @@ def _check_expert_parallel(topology: Topology, zero_stage: int, backend: str) ->
     (see [Note: expert-parallel parameters]), naming it and the fix."""
     if topology.experts is None:
         return
-    if zero_stage == 1:
-        raise NotImplementedError("ZeRO-1 with expert parallelism is not supported yet; use zero_stage=2 or 3")
     if backend == "eager":
         raise NotImplementedError(
             "backend='eager' (sequenced reads) with expert parallelism is not supported yet; use 'aot_eager' or "

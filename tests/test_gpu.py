@@ -121,12 +121,12 @@ def test_nccl_expert_parallel():
     """FSDP + EP (tests/test_expert_parallel.py's scenarios) with NCCL: the
     model's all-to-alls with data-dependent splits on the ep group beside
     fxshard's collectives on dp and efsdp; at (efsdp 2, ep 2) and ep 4 on 4
-    GPUs, at ep 2 on 2: ZeRO-3 and 2, Inductor, bf16, accumulation without
+    GPUs, at ep 2 on 2: ZeRO-3, 2 and 1, Inductor, bf16, accumulation without
     sync with clipping, activation checkpointing, frozen and no_shard parts."""
     from tests.helpers.ep_parity import run_all as ep_run_all
 
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    names = ["moe", "moe_zero2", "moe_inductor", "moe_bf16", "moe_no_sync_clip", "moe_checkpoint", "moe_frozen",
+    names = ["moe", "moe_zero2", "moe_zero1", "moe_inductor", "moe_bf16", "moe_no_sync_clip", "moe_checkpoint", "moe_frozen",
              "moe_no_shard"] + (["moe_ep4"] if world == 4 else [])  # fmt: skip
     results = run_ranks(world, ep_run_all, names, timeout=900, backend="nccl")
     check_results(results)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -73,7 +72,7 @@ class KeptParams:
         locals_ = {i: compat.local_tensor(p) for i, p in zip(self.members, mine)}
         # Not inference tensors, even when the first call is under inference_mode: training writes them later.
         with torch.inference_mode(False), torch.no_grad():
-            for bucket in self._buckets(list(self.members), lambda s: s.gather_dtype):
+            for bucket in self._buckets(list(self.members)):
                 first = self.members[bucket[0]].plan
                 gathered = gather_many([locals_[i] for i in bucket], [self.members[i].plan.dim0 for i in bucket],
                                        first.world_size, first.group_name, first.gather_dtype)  # fmt: skip
@@ -88,17 +87,19 @@ class KeptParams:
         self.gathers += 1
         self._seen, self.stale = seen, False
 
-    def _buckets(self, indices: list[int], dtype: Any) -> list[list[int]]:
-        """``indices`` in runs of one ``dtype(spec)``, each up to ``bucket_bytes``
-        of full values: one collective each, and a bounded transient buffer."""
+    def _buckets(self, indices: list[int]) -> list[list[int]]:
+        """``indices`` in runs of one gather dtype and group (an expert's is
+        the experts' group: see [Note: expert-parallel parameters]), each up to
+        ``bucket_bytes`` of full values: one collective each, and a bounded
+        transient buffer."""
         buckets: list[list[int]] = []
         size, key = 0, None
         for i in indices:
             spec = self.members[i].plan
-            nbytes = math.prod(spec.shape) * dtype(spec).itemsize
-            if not buckets or dtype(spec) != key or size + nbytes > self.bucket_bytes:
+            nbytes = math.prod(spec.shape) * spec.gather_dtype.itemsize
+            if not buckets or (spec.gather_dtype, spec.group_name) != key or size + nbytes > self.bucket_bytes:
                 buckets.append([])
-                size, key = 0, dtype(spec)
+                size, key = 0, (spec.gather_dtype, spec.group_name)
             buckets[-1].append(i)
             size += nbytes
         return buckets

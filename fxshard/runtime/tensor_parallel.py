@@ -87,10 +87,12 @@ expert weights).
   the graph, so no graph break and no sequenced reads. The host sync of
   ``tolist()`` stays (torchtitan's too). fxshard's passes leave the model's
   collectives as they are; the dump marks them as the model's.
+- **ZeRO-1**: an expert's full copy is its EP-local tensor, gathered over
+  efsdp in a bucket of its own group (``KeptParams``), once per step.
 - **Rank checks**: the same-init checksums of an expert parameter are
   compared among ranks of one EP coordinate.
 Not supported yet (refused at compile, or where the path is first taken):
-HSDP with EP, ZeRO-1, sequenced reads (``backend="eager"``, a graph break),
+HSDP with EP, sequenced reads (``backend="eager"``, a graph break),
 TP and EP together, an EP mesh of more than one dimension, ``no_shard`` on
 expert parameters, and ``fxshard.cuda_graph`` (the dispatch's ``tolist()``
 is a host sync, which a captured step cannot hold).

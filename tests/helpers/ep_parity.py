@@ -144,6 +144,8 @@ BF16_TOLERANCES = dict(atol=3e-2, rtol=3e-2, outlier_fraction=0.01, reference_at
 SCENARIOS: dict[str, EPScenario] = {
     "moe": EPScenario(compile_kwargs=dict(backend="aot_eager")),
     "moe_zero2": EPScenario(compile_kwargs=dict(backend="aot_eager", zero_stage=2)),
+    # ZeRO-1: the experts' full copies gathered over efsdp once per step, beside the others' over dp.
+    "moe_zero1": EPScenario(compile_kwargs=dict(backend="aot_eager", zero_stage=1)),
     "moe_inductor": EPScenario(compile_kwargs=dict(backend="inductor")),
     # ep = dp: efsdp of one rank, every expert held whole by one rank.
     "moe_ep4": EPScenario(compile_kwargs=dict(backend="aot_eager"), ep=4),
@@ -260,6 +262,9 @@ def train_and_compare(rank: int, world_size: int, sc: EPScenario) -> list[str]:
     for name in sc.no_shard:
         fxshard.no_shard(copies[0].get_submodule(name))
     model = fxshard.compile(copies[0], dense["dp"], expert_mesh=sparse["efsdp"], **sc.compile_kwargs)
+    if sc.compile_kwargs.get("zero_stage") == 1:  # the experts' full copies too, gathered over efsdp
+        kept = {p.fqn: p.kept for p in model.fxshard_plan.params}
+        assert all(kept.values()), f"ZeRO-1 keeps every sharded parameter gathered: {kept}"
     mp = sc.compile_kwargs.get("mp_policy")
     others = [_fsdp2(copies[1], family, dense["dp"], sparse["efsdp"], mp)] if sc.fsdp2 else []
     found = tp_parity.Mismatches(sc)
