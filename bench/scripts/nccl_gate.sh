@@ -8,6 +8,7 @@
 # GATE_GROUPS picks groups: core1 core2 core3 hf params (parameters,
 # checkpoints, the zoo) tt (torchtitan's models, tests/test_torchtitan.py)
 # tp (FSDP + TP) ep (FSDP + EP), the last two on every GPU present.
+# GATE_GPUS=2 uses the first two GPUs only (the 2-GPU meshes of tp and ep).
 set -u
 OUT=${OUT:-/tmp/fxshard-nccl-gate}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ declare -A groups=(
 )
 declare -A files=([tt]="tests/test_torchtitan.py")
 selected=${GATE_GROUPS:-core1 core2 core3 hf params tt tp ep}
-gpus=$(nvidia-smi -L | wc -l)
+gpus=${GATE_GPUS:-$(nvidia-smi -L | wc -l)}
 pair=0
 for g in $selected; do
   if [ "$g" = tp ] || [ "$g" = ep ]; then
