@@ -373,8 +373,10 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       does not change a compiled model.
     - ``check_same_init``: compare a checksum of every parameter across ranks
       first (one all-gather) and raise if any differs: ranks must start from
-      the same weights. False skips it (the parameter lists are compared
-      either way; see ``fxshard/checks.py``).
+      the same weights. The first call then checks that no two ranks hold
+      the same rows of a weight (values drawn per shard with one seed, as
+      ``torch.randn_like`` of a shard draws on a CPU mesh). False skips both
+      (the parameter lists are compared either way; see ``fxshard/checks.py``).
     - ``shard_frozen``: False (the default) keeps parameters that are frozen
       at compile time replicated, since they need no gather and no reduce,
       unless together they would take more than a quarter of the device's
@@ -416,6 +418,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
                              bucket_bytes=opts.unit_bytes, count_group_name=count_group)  # fmt: skip
     if opts.mp_policy.cast_forward_inputs:
         state.input_dtype = opts.mp_policy.param_dtype
+    state.check_rows = opts.check_same_init and shard.size > 1
     if opts.debug_dir:
         _write_plan(opts.debug_dir, state.table)
     graphs: list[GraphRecord] = []

@@ -18,11 +18,16 @@ anything is sharded:
 On a mismatch every rank raises the same ``ValueError``, naming the first
 parameter that differs. Parameters on the meta device have no values and
 are left out of the checksums.
+
+A model built on the meta device gets its values after compile, through its
+shards, and the first call checks what no check at compile could see: that
+no two ranks hold the same rows of a weight (``check_distinct_rows``).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fxshard.runtime import compat
+from fxshard.runtime.plans import Param
 from fxshard.runtime.topology import Topology
 
 _CHUNK = 1 << 22  # elements per step of a checksum: bounds its temporary memory
@@ -142,3 +148,52 @@ def check_same_model(
             "before fxshard.compile; check_same_init=False skips this check"
         )
     return smallest
+
+
+@torch.compiler.disable  # collectives and host reads, once: never traced into a user's outer compile
+def check_distinct_rows(params: Sequence[Param]) -> None:
+    """Raise ``ValueError`` on every rank of a group if two of its ranks hold
+    the same rows of a sharded parameter that is not one value throughout.
+
+    Ranks hold different rows of one weight, so equal shards mean the values
+    were drawn per shard with one seed: ``p.copy_(torch.randn_like(p))`` and
+    other random ops that make new DTensors draw each rank's rows alike on a
+    CPU mesh (DTensor's behaviour). Such rows never break symmetry, and
+    training would go on without an error. Shards of a group are compared
+    among its ranks (an HSDP replica's shard group, the experts' group)."""
+    by_group: dict[str, list[Param]] = {}
+    for p in params:
+        plan = p.plan
+        if plan.replicated or plan.world_size < 2 or p.local_rows == 0 or plan.device.type == "meta":
+            continue
+        by_group.setdefault(plan.group_name, []).append(p)
+    for name, members in by_group.items():
+        if compat.group_backend(name) == "fake":  # moves no data: nothing to compare
+            continue
+        group = compat.resolve_group(name)
+        rows = []
+        for p in members:
+            local = p.shard.local().detach()
+            varied = local.numel() > 1 and bool((local.reshape(-1) != local.reshape(-1)[0]).any())
+            rows.append(torch.stack([checksum(local).cpu(), torch.tensor(p.local_rows), torch.tensor(int(varied))]))
+        mine = torch.stack(rows).to(members[0].plan.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        every = torch.stack(every).cpu()  # ranks x members x (checksum, rows, varied)
+        for i, p in enumerate(members):
+            seen: dict[tuple[int, int], int] = {}
+            for rank in range(every.shape[0]):
+                checksum_, rows_, varied = every[rank, i].tolist()
+                if not varied:
+                    continue
+                if (checksum_, rows_) in seen:
+                    raise ValueError(
+                        f"fxshard: ranks {seen[checksum_, rows_]} and {rank} of the group that shards "
+                        f"{p.fqn!r} hold the same rows of it: its values were drawn per shard with the same seed "
+                        "(torch.randn_like(p) and other random ops that make a new DTensor draw each rank's rows "
+                        "alike on a CPU mesh), so they never break symmetry. Draw in place instead "
+                        "(p.normal_(), nn.init.*: fxshard draws the whole weight and keeps each rank's rows), or "
+                        "write full values through the module's attribute (module.weight.copy_(full)). If the "
+                        "rows are meant to repeat, check_same_init=False skips this check"
+                    )
+                seen[checksum_, rows_] = rank

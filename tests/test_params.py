@@ -20,6 +20,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "structure",
         "state_dict_aliases",
         "init_through_shards",
+        "identical_rows",
         "outer_compile",
         "optimizer_before_compile",
         "conversions",

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fxshard.checks import check_distinct_rows
 from fxshard.module.optimizers import count_optimizer_steps, retire
 from fxshard.module.reads import LocalShards
 from fxshard.module.shards import shard_parameter, slot_backed, written
@@ -67,6 +68,7 @@ class RootState:
         self.units: Units | None = None
         self._depth = 0  # root calls running, nested ones included
         self.input_dtype: torch.dtype | None = None  # MixedPrecision.cast_forward_inputs: floating inputs cast to it
+        self.check_rows = False  # check_same_init: the first call checks that no two ranks hold the same rows
 
     def attach(self, backend: FXShardBackend | None, units: Units | None) -> None:
         """The compiler the root's calls run through (None for
@@ -206,6 +208,9 @@ class RootState:
 
     def _outer_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         self.check_kept()
+        if self.check_rows:
+            check_distinct_rows(self.sequencer.params)
+            self.check_rows = False
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
         try:

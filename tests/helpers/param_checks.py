@@ -523,6 +523,28 @@ def _meta_llama() -> nn.Module:
         return models.TinyLlama()
 
 
+def identical_rows_check(rank: int, world_size: int) -> dict:
+    """A weight drawn per shard with one seed (``torch.randn_like(p)`` makes a
+    new DTensor, which draws every CPU rank's rows alike) would never break
+    symmetry: the first call raises on every rank, naming the weight and the
+    fix, and runs once the weight is drawn in place. On GPUs DTensor draws
+    each rank's rows apart, and nothing raises."""
+    model = fxshard.compile(_meta_llama(), backend="aot_eager").to_empty(device=_device())
+    torch.manual_seed(0)
+    init_weights(model)
+    wq = model.get_parameter("layers.0.attn.wq.weight")
+    with torch.no_grad():
+        wq.copy_(torch.randn_like(wq))
+    tokens = torch.zeros(1, 3, dtype=torch.long, device=_device())
+    if _device().type == "cpu":
+        with pytest.raises(ValueError, match=r"ranks 0 and 1 .* 'layers\.0\.attn\.wq\.weight' hold the same rows"):
+            model(tokens)
+        with torch.no_grad():
+            wq.normal_()
+    model(tokens)  # checked once, then as any call
+    return {}
+
+
 def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3) -> dict:
     """Meta model, compile, ``to_empty``, the model's own init: the same full
     weights as the unsharded model's init with the same seed, at any world size."""
@@ -575,7 +597,8 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check, "structure": structure_check,
               "state_dict_aliases": state_dict_aliases_check, "init_through_shards": init_through_shards_check,
-              "outer_compile": outer_compile_check, "optimizer_before_compile": optimizer_before_compile_check,
+              "outer_compile": outer_compile_check, "identical_rows": identical_rows_check,
+              "optimizer_before_compile": optimizer_before_compile_check,
               "outer_compile_inductor": lambda r, ws: outer_compile_check(r, ws, backend="inductor"),
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
               "meta_init_trains": lambda r, ws: meta_init_check(r, ws, train=True),
