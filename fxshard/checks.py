@@ -151,7 +151,7 @@ def check_same_model(
 
 
 @torch.compiler.disable  # collectives and host reads, once: never traced into a user's outer compile
-def check_distinct_rows(params: Sequence[Param]) -> None:
+def check_distinct_rows(params: Sequence[Param]) -> bool:
     """Raise ``ValueError`` on every rank of a group if two of its ranks hold
     the same rows of a sharded parameter that is not one value throughout.
 
@@ -160,11 +160,17 @@ def check_distinct_rows(params: Sequence[Param]) -> None:
     other random ops that make new DTensors draw each rank's rows alike on a
     CPU mesh (DTensor's behaviour). Such rows never break symmetry, and
     training would go on without an error. Shards of a group are compared
-    among its ranks (an HSDP replica's shard group, the experts' group)."""
+    among its ranks (an HSDP replica's shard group, the experts' group).
+    Returns False, having checked nothing, while a shard is on the meta
+    device (values come later, through ``to_empty``)."""
+    if any(p.shard.local().is_meta for p in params):
+        return False
     by_group: dict[str, list[Param]] = {}
     for p in params:
         plan = p.plan
-        if plan.replicated or plan.world_size < 2 or p.local_rows == 0 or plan.device.type == "meta":
+        # Only what is the same on every rank decides the members (a rank's
+        # empty shard does not): the all-gather below takes one row per member.
+        if plan.replicated or plan.world_size < 2 or plan.device.type == "meta":
             continue
         by_group.setdefault(plan.group_name, []).append(p)
     for name, members in by_group.items():
@@ -197,3 +203,4 @@ def check_distinct_rows(params: Sequence[Param]) -> None:
                         "rows are meant to repeat, check_same_init=False skips this check"
                     )
                 seen[checksum_, rows_] = rank
+    return True

@@ -7,6 +7,7 @@
 #   OUT=/tmp/gate bash bench/scripts/nccl_gate.sh
 # GATE_GROUPS picks groups: core1 core2 core3 hf params (parameters,
 # checkpoints, the zoo) tt (torchtitan's models, tests/test_torchtitan.py)
+# outline (outlined layers' inputs, tests/test_outline_inputs.py)
 # tp (FSDP + TP) ep (FSDP + EP), the last two on every GPU present.
 # GATE_GPUS=2 uses the first two GPUs only (the 2-GPU meshes of tp and ep).
 set -u
@@ -17,10 +18,10 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 declare -A groups=(
   [core1]="core1" [core2]="core2" [core3]="core3" [hf]="hf"
   [params]="writes_meta or checkpoint_round or zoo_seeds"
-  [tp]="tensor_parallel" [ep]="expert_parallel" [tt]="model_gpu"
+  [tp]="tensor_parallel" [ep]="expert_parallel" [tt]="model_gpu" [outline]="on_gpus"
 )
-declare -A files=([tt]="tests/test_torchtitan.py")
-selected=${GATE_GROUPS:-core1 core2 core3 hf params tt tp ep}
+declare -A files=([tt]="tests/test_torchtitan.py" [outline]="tests/test_outline_inputs.py")
+selected=${GATE_GROUPS:-core1 core2 core3 hf params tt outline tp ep}
 gpus=${GATE_GPUS:-$(nvidia-smi -L | wc -l)}
 pair=0
 for g in $selected; do

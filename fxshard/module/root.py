@@ -209,8 +209,7 @@ class RootState:
     def _outer_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         self.check_kept()
         if self.check_rows:
-            check_distinct_rows(self.sequencer.params)
-            self.check_rows = False
+            self.check_rows = not check_distinct_rows(self.sequencer.params)
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
         try:

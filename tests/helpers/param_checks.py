@@ -529,13 +529,16 @@ def identical_rows_check(rank: int, world_size: int) -> dict:
     symmetry: the first call raises on every rank, naming the weight and the
     fix, and runs once the weight is drawn in place. On GPUs DTensor draws
     each rank's rows apart, and nothing raises."""
-    model = fxshard.compile(_meta_llama(), backend="aot_eager").to_empty(device=_device())
+    model = fxshard.compile(_meta_llama(), backend="aot_eager")
+    tokens = torch.zeros(1, 3, dtype=torch.long, device=_device())
+    with pytest.raises(ValueError, match="meta device.*to_empty"):  # a call before the values: checked later
+        model(tokens)
+    model.to_empty(device=_device())
     torch.manual_seed(0)
     init_weights(model)
     wq = model.get_parameter("layers.0.attn.wq.weight")
     with torch.no_grad():
         wq.copy_(torch.randn_like(wq))
-    tokens = torch.zeros(1, 3, dtype=torch.long, device=_device())
     if _device().type == "cpu":
         with pytest.raises(ValueError, match=r"ranks 0 and 1 .* 'layers\.0\.attn\.wq\.weight' hold the same rows"):
             model(tokens)
