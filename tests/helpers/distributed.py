@@ -49,14 +49,16 @@ _PRELOADED = False
 
 
 def _preload_once() -> None:
-    """Ranks fork from a server that imported torch once (a spawned rank
-    spends about 3 s importing it; the suite starts about 25 sets of ranks).
-    Imports only: the server runs no op, so no thread pool is forked."""
+    """Ranks fork from a server that imported torch and fxshard once (a
+    spawned rank spends about 3 s importing torch, and as long again
+    importing fxshard, which imports dynamo and AOTAutograd; the suite starts
+    about 100 ranks). Imports only: the server runs no op, so no thread pool
+    is forked."""
     global _PRELOADED
     if not _PRELOADED:
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fxshard"])
         _PRELOADED = True
 
 
