@@ -44,19 +44,36 @@ SUBMESH_CHECKS = ("dp_submesh", "dp_submesh_zero1")
 # units_explicit and units_per_param_prefetch0: their unit layouts and
 # schedules are checked on graphs in test_graph_structure.
 # zero1_inductor: ZeRO-1 reads and reduces under Inductor; the GPU gate runs it (strategies-zero1-*).
+# Each of the next ones repeats, at 2 ranks, what a check kept by default
+# makes (10-20 s each on 2 cores): llama_tied_keep_full (uneven_and_empty_keep_full
+# keeps full weights), hybrid (its attention, direct reads, grouped experts and
+# loss inside forward: llama_tied, mamba_direct_reads, test_torchtitan's
+# deepseek_v3 and the Hugging Face models; the GPU gate and the CUDA graph
+# tests run it), accumulate_no_sync_mixed (accumulate_no_sync,
+# and hsdp's replicated and frozen parameters without sync), mixed_precision_bf16
+# (mixed_precision_bf16_inductor), eval_no_grad (test_hf_models'
+# hf_eval_changing_lengths, and test_graph_structure's no_grad graph),
+# two_forwards_one_backward (test_fsdp2_conformance's double_forward_nested_checkpoint).
 FULL_CPU_CHECKS = ("llama_tied_inductor", "zero1_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
                    "no_shard_bf16", "accumulate_no_sync_uneven", "mamba_direct_reads_inductor", "units_explicit",
-                   "units_per_param_prefetch0")  # fmt: skip
-# At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica) the others add little to
-# 2 x 2 and the 1-D checks; the GPU gate runs them all.
-WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp", "hsdp_sync_each",
-                "hsdp_zero2", "hsdp_zero2_no_sync", "hsdp_inductor")  # fmt: skip
+                   "units_per_param_prefetch0", "llama_tied_keep_full", "hybrid", "accumulate_no_sync_mixed",
+                   "mixed_precision_bf16", "eval_no_grad", "two_forwards_one_backward")  # fmt: skip
+# At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica and dp_submesh_zero1) the
+# others add little to 2 x 2 and the 1-D checks (test_graph_structure checks
+# HSDP without sharding on graphs); the GPU gate runs them all.
+WS2_FULL_CPU = ("hsdp", "hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp", "hsdp_sync_each",
+                "hsdp_zero2", "hsdp_zero2_no_sync", "hsdp_inductor", "dp_submesh_zero1")  # fmt: skip
 # World size 4 is 4 processes on 2 cores: by default it runs only what needs 4
-# ranks (empty shards: rank 3 holds none of these parameters' rows); the rest
-# of its layout checks run under [Note: full_cpu] and on the GPUs at 2.
-# ZeRO-2's HSDP averages are ZeRO-3's (hsdp), kept through backward: hsdp_zero2 runs under [Note: full_cpu].
-WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "mamba_direct_reads", "zero1_uneven", *HSDP_CHECKS[:3],
-               "hsdp_sync_each", *SUBMESH_CHECKS)  # fmt: skip
+# ranks (empty shards: rank 3 holds none of these parameters' rows; HSDP 2 x 2;
+# a 2 x 2 slice); the rest of its layout checks run under [Note: full_cpu] and
+# on the GPUs at 2. ZeRO-2's HSDP averages are ZeRO-3's (hsdp), kept through
+# backward: hsdp_zero2 runs under [Note: full_cpu]; so does zero1_bf16_hsdp
+# (30 s), whose averages across replicas test_graph_structure checks on
+# ZeRO-1's graphs. mamba_direct_reads runs at world sizes 1 to 3 (its empty
+# conv shard at 4 is uneven_and_empty's, read directly); dp_submesh_zero1's
+# slice has dp_submesh's side groups and ZeRO-1's.
+WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "zero1_uneven", "hsdp", "hsdp_sequenced", "hsdp_sync_each",
+               "dp_submesh_zero1")  # fmt: skip
 # World sizes 1 and 3 run, by default, the checks whose layout changes most
 # there (empty and ragged shards, tied and direct reads); the unit schedules
 # and ZeRO-1 on the full model run at 2.
