@@ -1670,6 +1670,8 @@ SLOWER = {
     # list activations: the dict and tuple kinds, nested_container_outputs; HSDP with one shard per
     # replica at 2 ranks: tests/test_parity.py's hsdp (2 x 1 and 2 x 2)
     "container_activations_list", "hsdp_train_parity",
+    # a unit per TransformerBlock: shared_params trains the same Transformer so, its weights tied
+    "train_multi_group",
 }  # fmt: skip
 # Scenarios that need 4 ranks (a 2 x 2 HSDP mesh).
 FOUR_RANKS = {"hsdp_gradient_accumulation", "hsdp_broadcast_across_replicas"}
