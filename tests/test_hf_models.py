@@ -24,8 +24,9 @@ GPU_ONLY = ("hf_mixtral", "hf_qwen3_gradient_checkpointing_reentrant_gathers_onc
 # 186 of the 253 s of this group: dynamo retraces transformers at each graph
 # break); they run on the GPUs and under [Note: full_cpu].
 # llama_block_checkpoint_gathers_once (the example's Llama, each block under torch's checkpoint) checks
-# what hf_llama_gradient_checkpointing_gathers_once checks on transformers' checkpointed Llama.
-FULL_CPU_ONLY = ("hf_qwen3", "hf_mamba", "hf_jamba", "llama_block_checkpoint_gathers_once")
+# what hf_llama_gradient_checkpointing_gathers_once checks on transformers' checkpointed Llama, which
+# also trains as hf_llama does, against the same reference.
+FULL_CPU_ONLY = ("hf_qwen3", "hf_mamba", "hf_jamba", "llama_block_checkpoint_gathers_once", "hf_llama")
 # World size 3 (uneven shards; ranks route tokens to different experts) takes
 # 60 s for the expert loop alone on 2 cores, and ~5 minutes for all of these:
 # [Note: full_cpu]. tests/test_parity.py's routed_experts_differ runs at 3.
