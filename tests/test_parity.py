@@ -53,11 +53,14 @@ SUBMESH_CHECKS = ("dp_submesh", "dp_submesh_zero1")
 # and hsdp's replicated and frozen parameters without sync), mixed_precision_bf16
 # (mixed_precision_bf16_inductor), eval_no_grad (test_hf_models'
 # hf_eval_changing_lengths, and test_graph_structure's no_grad graph),
-# two_forwards_one_backward (test_fsdp2_conformance's double_forward_nested_checkpoint).
+# two_forwards_one_backward (test_fsdp2_conformance's double_forward_nested_checkpoint),
+# units_small_prefetch2 (small units with prefetch=2 in blocks_once_gathers_again and
+# mixed_precision_bf16_inductor; units of flat graphs in accumulate_no_sync; its
+# schedule on graphs in test_graph_structure).
 FULL_CPU_CHECKS = ("llama_tied_inductor", "zero1_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
                    "no_shard_bf16", "accumulate_no_sync_uneven", "mamba_direct_reads_inductor", "units_explicit",
                    "units_per_param_prefetch0", "llama_tied_keep_full", "hybrid", "accumulate_no_sync_mixed",
-                   "mixed_precision_bf16", "eval_no_grad", "two_forwards_one_backward")  # fmt: skip
+                   "mixed_precision_bf16", "eval_no_grad", "two_forwards_one_backward", "units_small_prefetch2")  # fmt: skip
 # At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica and dp_submesh_zero1) the
 # others add little to 2 x 2 and the 1-D checks (test_graph_structure checks
 # HSDP without sharding on graphs); the GPU gate runs them all.
@@ -70,14 +73,16 @@ WS2_FULL_CPU = ("hsdp", "hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica
 # backward: hsdp_zero2 runs under [Note: full_cpu]; so does zero1_bf16_hsdp
 # (30 s), whose averages across replicas test_graph_structure checks on
 # ZeRO-1's graphs. mamba_direct_reads runs at world sizes 1 to 3 (its empty
-# conv shard at 4 is uneven_and_empty's, read directly); dp_submesh_zero1's
-# slice has dp_submesh's side groups and ZeRO-1's.
-WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "zero1_uneven", "hsdp", "hsdp_sequenced", "hsdp_sync_each",
-               "dp_submesh_zero1")  # fmt: skip
+# conv shard at 4 is uneven_and_empty's, read directly). The 2 x 2 slice
+# trains by default in tests/test_tensor_parallel.py (mesh["dp"] of (dp 2, tp 2),
+# ZeRO-1 and 3), and tests/test_topology.py checks its side groups on 4 ranks.
+WS4_DEFAULT = ("uneven_and_empty", "embedding_empty_shard", "zero1_uneven", "hsdp", "hsdp_sequenced", "hsdp_sync_each")
 # World sizes 1 and 3 run, by default, the checks whose layout changes most
 # there (empty and ragged shards, tied and direct reads); the unit schedules
 # and ZeRO-1 on the full model run at 2.
 WS1_WS3_FULL_CPU = ("units_small_prefetch2", "zero1")
+# ZeRO-1's ragged and empty shards (zero1_uneven) run at 1, 2 and 4.
+WS3_FULL_CPU = ("zero1_uneven",)
 
 
 def _slower(world_size: int, check: str) -> bool:
@@ -86,6 +91,7 @@ def _slower(world_size: int, check: str) -> bool:
         or (world_size == 4 and check not in WS4_DEFAULT)
         or (world_size == 2 and check in WS2_FULL_CPU)
         or (world_size in (1, 3) and check in WS1_WS3_FULL_CPU)
+        or (world_size == 3 and check in WS3_FULL_CPU)
     )
 
 
