@@ -18,7 +18,7 @@ def test_writes_optimizers_and_conversions(world_size):
         "reinit",
         "reassign",
         "structure",
-        "state_dict_aliases",
+        "state_dict_aliases_meta",  # built on the CPU instead: test_state_dict_aliases_without_meta_init
         "init_through_shards",
         "identical_rows",
         "outer_compile",
@@ -36,6 +36,12 @@ def test_writes_optimizers_and_conversions(world_size):
         "loss_outside_forward",
     ]
     check_results(run_ranks(world_size, run_checks, names))
+
+
+@pytest.mark.full_cpu  # CPU time: a model built on the CPU keeps its shards' memory as one built on meta does
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_state_dict_aliases_without_meta_init(world_size):
+    check_results(run_ranks(world_size, run_checks, ["state_dict_aliases_not_meta"]))
 
 
 @pytest.mark.full_cpu  # CPU time: ZeRO-1 reads module.weight outside a call as ZeRO-3 does

@@ -155,12 +155,13 @@ def structure_check(rank: int, world_size: int) -> dict:
     return {}
 
 
-def state_dict_aliases_check(rank: int, world_size: int) -> dict:
+def state_dict_aliases_check(rank: int, world_size: int, metas: tuple[bool, ...] = (False, True)) -> dict:
     """A state dict, or a ``to_local()`` view, taken after compile (and after
-    ``to_empty`` and init) but before the first call keeps aliasing the
-    parameters through training, as FSDP2's does: the first call gives the
-    shards their units' slots, which must keep the shards' memory."""
-    for meta in (False, True):
+    ``to_empty`` and init, for a model built on the meta device) but before
+    the first call keeps aliasing the parameters through training, as FSDP2's
+    does: the first call gives the shards their units' slots, which must keep
+    the shards' memory."""
+    for meta in metas:
         torch.manual_seed(0)
         model = fxshard.compile(_meta_llama() if meta else models.TinyLlama().to(_device()), backend="aot_eager")
         if meta:
@@ -600,6 +601,8 @@ def meta_init_check(rank: int, world_size: int, train: bool, zero_stage: int = 3
 def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
     checks = {"writes": writes_check, "reinit": reinit_check, "reassign": reassign_check, "structure": structure_check,
               "state_dict_aliases": state_dict_aliases_check, "init_through_shards": init_through_shards_check,
+              "state_dict_aliases_meta": lambda r, ws: state_dict_aliases_check(r, ws, metas=(True,)),
+              "state_dict_aliases_not_meta": lambda r, ws: state_dict_aliases_check(r, ws, metas=(False,)),
               "outer_compile": outer_compile_check, "identical_rows": identical_rows_check,
               "optimizer_before_compile": optimizer_before_compile_check,
               "outer_compile_inductor": lambda r, ws: outer_compile_check(r, ws, backend="inductor"),
