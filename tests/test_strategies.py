@@ -440,21 +440,22 @@ def _hsdp_read_outside_forward(rank: int, world_size: int) -> dict:
     """HSDP 2 x 2: a loss term on weights read outside forward (a sharded one
     and a replicated one), which differs on every rank, gets the gradient
     averaged over the whole mesh, as the forward's: the reduce of such a read
-    averages across replicas too (see [Note: HSDP])."""
+    averages across replicas too (see [Note: HSDP]). On the small MLP."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    model = models.TinyLlama(tie=False)
-    ref = models.TinyLlama(tie=False)
+    model, ref = _mlp(), _mlp()
     ref.load_state_dict(model.state_dict())
-    fxshard.no_shard(model.norm)
+    fxshard.no_shard(model[0])
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     fxshard.compile(model, mesh, backend="aot_eager")
-    batches = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    placements = {i: model[i]._parameters["weight"].placements for i in (0, 2)}
+    assert placements == {0: (Replicate(), Replicate()), 2: (Replicate(), Shard(0))}, placements
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
 
     def loss(m: nn.Module, r: int) -> torch.Tensor:
-        extra = (m.layers[1].mlp.w2.weight * (r + 1)).pow(2).sum() + (m.norm.weight * (r + 1)).pow(2).sum()
-        return lm_loss(m(batches[r]), batches[r]) + extra
+        extra = (m[2].weight * (r + 1)).pow(2).sum() + (m[0].weight * (r + 1)).pow(2).sum()
+        return m(batches[r]).pow(2).mean() + extra
 
     loss(model, rank).backward()
     (sum(loss(ref, r) for r in range(world_size)) / world_size).backward()
