@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fxshard
 from fxshard.runtime.rank_checks import RankMismatchError
 from tests.helpers import models, rank_check_models
-from tests.helpers.distributed import check_results, run_ranks
+from tests.helpers.distributed import check_results, run_ranks, selected
 from tests.helpers.parity import run_each
 
 
@@ -147,8 +147,8 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict[str, str | 
 
 
 @pytest.fixture(scope="module")
-def gloo_run():
-    names = [n for n in GLOO_CHECKS if n != "gpt2_one_graph" or _has_transformers()]
+def gloo_run(request):
+    names = [n for n in selected(request, "check") if n != "gpt2_one_graph" or _has_transformers()]
     results = run_ranks(2, run_checks, names, timeout=600)
     check_results(results)
     return results
@@ -162,7 +162,12 @@ def _has_transformers() -> bool:
     return True
 
 
-@pytest.mark.parametrize("check", list(GLOO_CHECKS))
+# CPU time: GPT-2 (transformers' warning_once in its loss, and its training) runs under [Note: full_cpu];
+# test_logging_warnings_and_prints_keep_one_graph and test_transformers_warning_once_keeps_one_graph
+# check that logging, warning_once included, keeps one graph.
+@pytest.mark.parametrize(
+    "check", [pytest.param(n, marks=pytest.mark.full_cpu) if n == "gpt2_one_graph" else n for n in GLOO_CHECKS]
+)
 def test_ranks_that_disagree(gloo_run, check):
     if check not in gloo_run[0]:
         pytest.skip("needs transformers")
@@ -279,6 +284,13 @@ def test_logging_warnings_and_prints_keep_one_graph(fake_pg):
     model(torch.randn(2, 4)).sum().backward()
     assert model.fxshard_plan.sequenced is False and len(model.fxshard_plan.graphs) == 1
     assert set(dynamo_config.reorderable_logging_functions) == before, "dynamo's config is fxshard's only in its calls"
+
+
+def test_transformers_warning_once_keeps_one_graph(fake_pg):
+    pytest.importorskip("transformers")  # it adds Logger.warning_once
+    model = fxshard.compile(rank_check_models.ChattyOnce(), backend="aot_eager")
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.fxshard_plan.sequenced is False and len(model.fxshard_plan.graphs) == 1
 
 
 def test_graph_break_reason_in_plan_and_summary(fake_pg, tmp_path):

@@ -49,3 +49,16 @@ class Chatty(nn.Module):
         warnings.warn("Chatty warns")  # noqa: B028 (a user's plain warn, as the test needs)
         print("Chatty prints", x)
         return self.lin(x)
+
+
+class ChattyOnce(nn.Module):
+    """Logs through ``warning_once``, which transformers adds to
+    ``logging.Logger`` when imported and calls inside models' losses (GPT-2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        log.warning_once("forward of %s", "ChattyOnce")
+        return self.lin(x)
