@@ -237,8 +237,8 @@ def test_zero1_reduces_in_the_backward_and_gathers_nothing(fake_pg):
     """ZeRO-1's graphs read the kept copies in place and reduce the gradients
     by units inside the backward, as ZeRO-2 does, never after it: the same
     reduces as ZeRO-2's, no gather in any graph, and no full weight saved."""
-    zero2 = _train_once(models.TinyLlama(), **FLAT, reshard_after_forward=False)
-    zero1 = _train_once(models.TinyLlama(), **FLAT, zero_stage=1)
+    zero2 = _train_once(models.TinyLlama(layers=1), **FLAT, reshard_after_forward=False)
+    zero1 = _train_once(models.TinyLlama(layers=1), **FLAT, zero_stage=1)
     assert not _nodes(zero1.forward, AG) and not _nodes(zero1.backward, AG)
     assert [n.args[3] for n in _nodes(zero1.backward, RS)] == [n.args[3] for n in _nodes(zero2.backward, RS)]
     # The backward reads each kept copy as the forward's input, never a saved view of it.
@@ -441,7 +441,7 @@ def test_prefetch_issues_next_unit_before_waiting(fake_pg):
     prefetch=0 each waits before the next is issued."""
     for prefetch in (0, 1, 2):
         torch._dynamo.reset()
-        record = _train_once(models.TinyLlama(), prefetch=prefetch, unit_mb=PER_PARAM, **FLAT)
+        record = _train_once(models.TinyLlama(layers=1), prefetch=prefetch, unit_mb=PER_PARAM, **FLAT)
         for gm in (record.forward, record.backward):
             pos, pairs = _positions(gm), _gathers_by_wait(gm)
             assert len(pairs) > 3
@@ -456,14 +456,14 @@ def test_prefetch_issues_next_unit_before_waiting(fake_pg):
 
 
 def test_units_follow_first_use_and_size_target(fake_pg):
-    model = models.TinyLlama()
+    model = models.TinyLlama(layers=1)
     record = _train_once(model, unit_mb=PER_PARAM, **FLAT)
     names = [u.names for u in model.fxshard_plan.units.units]
     assert all(len(n) == 1 for n in names)
     first_use = [s.param for s in record.reports["forward"].sites if s.kind == "unshard"]
     assert [n[0] for n in names] == first_use
     torch._dynamo.reset()
-    model = models.TinyLlama()
+    model = models.TinyLlama(layers=1)
     _train_once(model, unit_mb=0.003, **FLAT)
     sizes = [u.gather_nbytes() for u in model.fxshard_plan.units.units]
     assert len(sizes) > 2 and all(s >= 0.003 * 2**20 for s in sizes[:-1])
@@ -479,7 +479,7 @@ def test_reduce_waits_deferred(fake_pg, in_flight):
     i + in_flight is built (the default is 1)."""
     kwargs = {} if in_flight == 1 else {"reduces_in_flight": in_flight}
     mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32)  # every reduce input is a buffer of its own
-    record = _train_once(models.TinyLlama(), unit_mb=PER_PARAM, mp_policy=mp, **kwargs, **FLAT)
+    record = _train_once(models.TinyLlama(layers=1), unit_mb=PER_PARAM, mp_policy=mp, **kwargs, **FLAT)
     bw = record.backward
     pos = _positions(bw)
     reduces = _nodes(bw, RS)
