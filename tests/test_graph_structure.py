@@ -54,8 +54,8 @@ def _train_once(model: nn.Module, **kwargs):
 
 def _small() -> nn.Module:
     """Tokens in, as TinyLlama, for checks of what holds hooks and code
-    objects, which do not depend on the layers: it compiles in a tenth of
-    TinyLlama's time."""
+    objects, and of which groups the collectives use, which do not depend on
+    the layers: it compiles in a tenth of TinyLlama's time."""
     return nn.Sequential(nn.Embedding(37, 8), nn.Linear(8, 5))
 
 
@@ -399,7 +399,9 @@ def test_mixed_precision_casts_before_the_collectives(fake_pg, monkeypatch):
 
 
 def test_tied_weight_dedupe_keys_on_the_parameter(fake_pg):
-    record = _train_once(models.TinyLlama())
+    from examples.llama import Llama, LlamaConfig
+
+    record = _train_once(Llama(LlamaConfig(layers=0)))  # the tied embedding and output projection alone
     params = [s.param for s in record.reports["backward"].sites if s.kind == "reduce"]
     assert params.count("embed.weight") == 1 and len(params) == len(set(params))
 
@@ -531,7 +533,7 @@ def test_reduces_on_their_own_group(fake_pg, monkeypatch):
                         lambda o, i, g, **kw: groups["gather"].add(g) or gather(o, i, g, **kw))  # fmt: skip
     monkeypatch.setattr(compat, "reduce_scatter_async",
                         lambda o, i, g, **kw: groups["reduce"].add(g) or reduce(o, i, g, **kw))  # fmt: skip
-    _train_once(models.TinyLlama(), unit_mb=0.003)
+    _train_once(_small())
     (g,), (r,) = groups["gather"], groups["reduce"]
     assert g is not r and dist.get_process_group_ranks(g) == dist.get_process_group_ranks(r)
 
@@ -768,9 +770,10 @@ def test_sharded_lookup_backward_sums_without_atomic_adds(fake_pg):
     row it skips: an index_add_ with those ids clamped onto two rows of the
     shard made (world_size - 1) / world_size of its atomic adds contend for
     those rows on GPUs (see [Note: sharded lookups])."""
+    from examples.llama import Llama, LlamaConfig
     from fxshard.runtime.embedding import EMBEDDING, embedding_backward
 
-    model = models.TinyLlama(tie=False)
+    model = Llama(LlamaConfig(layers=0, tie_embeddings=False))  # a lookup needs no blocks
     (lookup,) = _nodes(_train_once(model).captured, EMBEDDING)
     table, index = lookup.args[2], lookup.args[3]
     tokens = torch.randint(0, 37, (2, 9))
