@@ -61,10 +61,11 @@ FULL_CPU_CHECKS = ("llama_tied_inductor", "zero1_inductor", "accumulate_sync_eac
                    "no_shard_bf16", "accumulate_no_sync_uneven", "mamba_direct_reads_inductor", "units_explicit",
                    "units_per_param_prefetch0", "llama_tied_keep_full", "hybrid", "accumulate_no_sync_mixed",
                    "mixed_precision_bf16", "eval_no_grad", "two_forwards_one_backward", "units_small_prefetch2")  # fmt: skip
-# At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica and dp_submesh_zero1) the
-# others add little to 2 x 2 and the 1-D checks (test_graph_structure checks
-# HSDP without sharding on graphs); the GPU gate runs them all.
-WS2_FULL_CPU = ("hsdp", "hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp", "hsdp_sync_each",
+# At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica and dp_submesh_zero1) hsdp
+# runs by default: HSDP without sharding, gradients averaged across replicas
+# only (tests/test_fsdp2_conformance.py's hsdp_train_parity counts on it). The
+# others add little to it, to 2 x 2 and to the 1-D checks; the GPU gate runs them all.
+WS2_FULL_CPU = ("hsdp_no_sync_bf16", "hsdp_sequenced", "hsdp_one_replica", "zero1_bf16_hsdp", "hsdp_sync_each",
                 "hsdp_zero2", "hsdp_zero2_no_sync", "hsdp_inductor", "dp_submesh_zero1")  # fmt: skip
 # World size 4 is 4 processes on 2 cores: by default it runs only what needs 4
 # ranks (empty shards: rank 3 holds none of these parameters' rows; HSDP 2 x 2;
