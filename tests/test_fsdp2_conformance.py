@@ -1665,7 +1665,8 @@ SLOWER = {
     "gradient_accumulation_root_only", "container_activations_tuple", "structured_activations_dataclass",
     "structured_activations_bf16", "gradient_accumulation_keep_full", "container_activations_namedtuple",
     # checkpointing: double_forward_nested_checkpoint and tests/test_torchtitan.py's llama3+full_ac;
-    # micro-batches without sync: gradient_accumulation; prefetch: tests/test_parity.py's units_small_prefetch2
+    # micro-batches without sync: gradient_accumulation; prefetch: gloo gathers one unit at a time whatever
+    # prefetch says (tests/test_strategies.py), and tests/test_graph_structure.py checks prefetch's schedule
     "activation_checkpointing", "microbatching_1f1b", "explicit_prefetching",
     # list activations: the dict and tuple kinds, nested_container_outputs; HSDP with one shard per
     # replica at 2 ranks: tests/test_parity.py's hsdp (2 x 1 and 2 x 2)
