@@ -63,8 +63,14 @@ def test_nccl_parity(group, check):
 
 # Parameters and checkpoints on NCCL: the same checks as on gloo, on each rank's GPU.
 def test_nccl_writes_meta_init_and_conversions():
-    names = ["writes", "optimizer_before_compile", "conversions", "meta_init_trains", "identical_rows",
-             "outer_compile_inductor"]
+    names = [
+        "writes",
+        "optimizer_before_compile",
+        "conversions",
+        "meta_init_trains",
+        "identical_rows",
+        "outer_compile_inductor",
+    ]
     check_results(run_ranks(2, run_checks, names, timeout=600, backend="nccl"))
     check_results(run_ranks(1, run_checks, ["meta_init"], timeout=600, backend="nccl"))
 
