@@ -82,11 +82,11 @@ def _hash64(lines: list[str]) -> int:
     return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little", signed=True)
 
 
-def _all_gather(values: torch.Tensor, topology: Topology) -> torch.Tensor:
-    """Every rank's ``values``, one row per rank (on the host)."""
-    values = values.to(topology.device)
-    rows = [torch.empty_like(values) for _ in range(topology.world.size)]
-    dist.all_gather(rows, values, group=topology.world.pg)
+def _all_gather(values: torch.Tensor, group: object, device: torch.device) -> torch.Tensor:
+    """Every rank's ``values`` over ``group``, one row per rank (on the host)."""
+    values = values.to(device)
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, values, group=group)
     return torch.stack(rows).cpu()
 
 
@@ -115,7 +115,7 @@ def check_same_model(
     layout = _layout(params, whole)
     mine = -1 if memory is None else memory
     heads = _all_gather(torch.tensor([len(layout), _hash64(layout), mine, topology.expert_coordinate()],
-                                     dtype=torch.int64), topology)  # fmt: skip
+                                     dtype=torch.int64), topology.world.pg, topology.device)  # fmt: skip
     memories, coordinates = heads[:, 2], heads[:, 3]
     smallest = None if bool((memories < 0).any()) else int(memories.min())
     heads = heads[:, :2]
@@ -131,7 +131,7 @@ def check_same_model(
     # A tensor-parallel parameter's TP-local piece: the ranks compared, one
     # data-parallel group, share a TP coordinate (see [Note: topology]).
     locals_ = [compat.local_tensor(p) if isinstance(p, DTensor) else p for _, p in params]
-    sums = _all_gather(torch.stack([checksum(p) for p in locals_]).cpu(), topology)
+    sums = _all_gather(torch.stack([checksum(p) for p in locals_]).cpu(), topology.world.pg, topology.device)
     # An expert parameter's EP-local piece is compared among the ranks of one
     # EP coordinate: they hold the same experts (see [Note: expert-parallel parameters]).
     expert = torch.tensor([topology.is_expert(p) for _, p in params])
@@ -176,16 +176,16 @@ def check_distinct_rows(params: Sequence[Param]) -> bool:
     for name, members in by_group.items():
         if compat.group_backend(name) == "fake":  # moves no data: nothing to compare
             continue
-        group = compat.resolve_group(name)
         rows = []
         for p in members:
-            local = p.shard.local().detach()
-            varied = local.numel() > 1 and bool((local.reshape(-1) != local.reshape(-1)[0]).any())
-            rows.append(torch.stack([checksum(local).cpu(), torch.tensor(p.local_rows), torch.tensor(int(varied))]))
-        mine = torch.stack(rows).to(members[0].plan.device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
-        every = torch.stack(every).cpu()  # ranks x members x (checksum, rows, varied)
+            flat = p.shard.local().detach().reshape(-1)
+            varied = (
+                (flat != flat[0]).any() if flat.numel() > 1 else torch.zeros((), dtype=torch.bool, device=flat.device)
+            )
+            rows.append(torch.stack([checksum(flat), torch.full_like(varied, p.local_rows, dtype=torch.int64),
+                                     varied.to(torch.int64)]))  # fmt: skip
+        # ranks x members x (checksum, rows, varied)
+        every = _all_gather(torch.stack(rows), compat.resolve_group(name), members[0].plan.device)
         for i, p in enumerate(members):
             seen: dict[tuple[int, int], int] = {}
             for rank in range(every.shape[0]):
