@@ -72,11 +72,15 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300, b
     """
     import torch
 
-    _preload_once()
+    # GPU ranks start from a fresh interpreter: a forkserver that imported
+    # torch and fxshard is no place to fork CUDA processes from.
+    method = "spawn" if backend == "nccl" else "forkserver"
+    if method == "forkserver":
+        _preload_once()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry, args=(world_size, out_dir, backend, dict(os.environ), fn, args), nprocs=world_size,
-            join=False, start_method="forkserver",
+            join=False, start_method=method,
         )  # fmt: skip
         try:
             deadline_left = timeout
