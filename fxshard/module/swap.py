@@ -164,6 +164,10 @@ def _root_methods(base: type) -> dict[str, object]:
     forward = types.FunctionType(code, {"__builtins__": builtins, "__name__": __name__, "_base": base}, "forward")
     forward.__qualname__ = f"FXShard{base.__name__}.forward"
 
+    # A user's torch.compile over the model (wrapped out of habit) skips the
+    # call: fxshard's own graph runs, rewritten, as without it. Traced
+    # through, torch 2.11's dynamo fails inside fxshard's bookkeeping.
+    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         return self.__dict__[ROOT_STATE].call(self, base, args, kwargs)
 
