@@ -44,6 +44,9 @@ SUBMESH_CHECKS = ("dp_submesh", "dp_submesh_zero1")
 # units_explicit and units_per_param_prefetch0: their unit layouts and
 # schedules are checked on graphs in test_graph_structure.
 # zero1_inductor: ZeRO-1 reads and reduces under Inductor; the GPU gate runs it (strategies-zero1-*).
+# whole_reads_inductor (31 s on 2 cores with a cold Inductor cache): replicated
+# reads run by default under aot_eager (no_shard), Inductor by default in
+# mixed_precision_bf16_inductor; the GPU gate runs it.
 # Each of the next ones repeats, at 2 ranks, what a check kept by default
 # makes (10-20 s each on 2 cores): llama_tied_keep_full (uneven_and_empty_keep_full
 # keeps full weights), hybrid (its attention, direct reads, grouped experts and
@@ -60,7 +63,8 @@ SUBMESH_CHECKS = ("dp_submesh", "dp_submesh_zero1")
 FULL_CPU_CHECKS = ("llama_tied_inductor", "zero1_inductor", "accumulate_sync_each", "frozen_sharded", "graph_breaks_no_shard",
                    "no_shard_bf16", "accumulate_no_sync_uneven", "mamba_direct_reads_inductor", "units_explicit",
                    "units_per_param_prefetch0", "llama_tied_keep_full", "hybrid", "accumulate_no_sync_mixed",
-                   "mixed_precision_bf16", "eval_no_grad", "two_forwards_one_backward", "units_small_prefetch2")  # fmt: skip
+                   "mixed_precision_bf16", "eval_no_grad", "two_forwards_one_backward", "units_small_prefetch2",
+                   "whole_reads_inductor")  # fmt: skip
 # At 2 ranks (2 x 1, and 1 x 2 for hsdp_one_replica and dp_submesh_zero1) hsdp
 # runs by default: HSDP without sharding, gradients averaged across replicas
 # only (tests/test_fsdp2_conformance.py's hsdp_train_parity counts on it). The
