@@ -199,3 +199,19 @@ def test_a_data_dependent_error_in_fxshards_own_passes_is_not_a_graph_break(no_d
     with pytest.raises(RuntimeError, match="bug in fxshard, not in the model") as caught:
         model(torch.randn(2, 4))
     assert "graph break in" not in str(caught.value) and model.fxshard_plan.graph_break_reason is None
+
+
+def test_outer_fullgraph_compile_names_the_fix(no_dist, monkeypatch):
+    """torch.compile(model, fullgraph=True) over a compiled model cannot trace
+    fxshard's call (a plain outer torch.compile skips it, see
+    tests/helpers/param_checks.py's outer_compile): dynamo's error says why
+    and what to drop, where torch.compiler.disable takes a reason."""
+    import inspect
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    wrapped = torch.compile(model, backend="aot_eager", fullgraph=True)
+    fix = "Drop fullgraph=True" if "reason" in inspect.signature(torch.compiler.disable).parameters else ""
+    with pytest.raises(Exception, match=fix):
+        wrapped(torch.randn(2, 4))
+    torch._dynamo.reset()

@@ -36,7 +36,7 @@ from fxshard.module.structure import watch
 from fxshard.module.writes import parameter_of
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
-from fxshard.runtime import process
+from fxshard.runtime import compat, process
 from fxshard.runtime.plans import ModelRuntime, Param, PlanTable
 from fxshard.runtime.sequencer import Sequencer
 from fxshard.runtime.topology import Topology
@@ -164,13 +164,15 @@ def _root_methods(base: type) -> dict[str, object]:
     forward = types.FunctionType(code, {"__builtins__": builtins, "__name__": __name__, "_base": base}, "forward")
     forward.__qualname__ = f"FXShard{base.__name__}.forward"
 
-    # A user's torch.compile over the model (wrapped out of habit) skips the
-    # call: fxshard's own graph runs, rewritten, as without it. Traced
-    # through, torch 2.11's dynamo fails inside fxshard's bookkeeping.
-    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         return self.__dict__[ROOT_STATE].call(self, base, args, kwargs)
 
+    # A user's torch.compile over the model (wrapped out of habit) skips the
+    # call: fxshard's own graph runs, rewritten, as without it. Traced
+    # through, torch 2.11's dynamo fails inside fxshard's bookkeeping.
+    __call__ = compat.not_traced(__call__, reason=(
+        "fxshard.compile compiled this model already and runs its own graph, so torch.compile(model) calls it "
+        "untraced; under fullgraph=True that is an error. Drop fullgraph=True, or the outer torch.compile"))  # fmt: skip
     methods = {"forward": forward, "__call__": __call__}
     if hf.takes_state_dict(getattr(base, "save_pretrained", None)):
         methods["save_pretrained"] = hf.save_pretrained_method(base)

@@ -33,6 +33,7 @@ __all__ = [
     "is_data_dependent",
     "is_graph_break",
     "is_user_error",
+    "not_traced",
     "skip_as_top_frame",
 ]
 
@@ -175,6 +176,19 @@ def skip_as_top_frame(code: Any) -> None:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+def not_traced(fn: Any, reason: str) -> Any:
+    """``fn`` under ``torch.compiler.disable``: a user's ``torch.compile``
+    does not trace it but calls it (a graph break; under fullgraph=True,
+    dynamo's error, which quotes ``reason`` where torch takes one)."""
+    import inspect
+
+    import torch
+
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=reason)
+    return torch.compiler.disable(fn)
 
 
 def compile_phase_times(reset: bool = False) -> dict[str, float]:
