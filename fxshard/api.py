@@ -433,7 +433,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
         compiled = FXShardBackend(spec, unit_plan, topology.agreement())
         graphs = compiled.graphs
         # One graph, or sequenced reads: see [Note: two ways to read].
-        model.compile(backend=compiled, fullgraph=True)
+        nn.Module.compile(model, backend=compiled, fullgraph=True)  # the class's compile is the user's no-op
         state.attach(compiled, unit_plan)
     plan = ShardPlan(
         topology, params, opts.zero_stage, opts.mp_policy, opts.backend, opts.debug_dir, graphs, state, unit_plan

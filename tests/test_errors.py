@@ -215,3 +215,16 @@ def test_outer_fullgraph_compile_names_the_fix(no_dist, monkeypatch):
     with pytest.raises(Exception, match=fix):
         wrapped(torch.randn(2, 4))
     torch._dynamo.reset()
+
+
+def test_module_compile_after_fxshard_compile_keeps_fxshards_graph(no_dist, monkeypatch):
+    """model.compile(), as FSDP2 users call it after fully_shard, would swap
+    fxshard's compiled call for a plain compile of the model: it warns and
+    does nothing, and fxshard's own graph runs."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = fxshard.compile(nn.Linear(4, 3), backend="aot_eager")
+    with pytest.warns(UserWarning, match="does nothing"):
+        model.compile(backend="aot_eager")
+    model(torch.randn(2, 4)).sum().backward()
+    assert len(model.fxshard_plan.graphs) == 1 and not model.fxshard_plan.sequenced
+    torch._dynamo.reset()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -173,7 +174,17 @@ def _root_methods(base: type) -> dict[str, object]:
     __call__ = compat.not_traced(__call__, reason=(
         "fxshard.compile compiled this model already and runs its own graph, so torch.compile(model) calls it "
         "untraced; under fullgraph=True that is an error. Drop fullgraph=True, or the outer torch.compile"))  # fmt: skip
-    methods = {"forward": forward, "__call__": __call__}
+
+    def compile(self, *args, **kwargs):  # noqa: A001 - nn.Module.compile, as users call it
+        # fxshard compiled the module already; torch's would replace its
+        # graph (gathers, units, reduces) with a plain compile of the model.
+        warnings.warn(
+            "fxshard: model.compile() after fxshard.compile does nothing: the model is compiled already and runs "
+            "fxshard's own graph. Remove the call; compile options go to fxshard.compile (backend=...)",
+            stacklevel=2,
+        )
+
+    methods = {"forward": forward, "__call__": __call__, "compile": compile}
     if hf.takes_state_dict(getattr(base, "save_pretrained", None)):
         methods["save_pretrained"] = hf.save_pretrained_method(base)
     return methods
