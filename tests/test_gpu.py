@@ -70,6 +70,7 @@ def test_nccl_writes_meta_init_and_conversions():
         "meta_init_trains",
         "identical_rows",
         "outer_compile_inductor",
+        "compiled_step",
     ]
     check_results(run_ranks(2, run_checks, names, timeout=600, backend="nccl"))
     check_results(run_ranks(1, run_checks, ["meta_init"], timeout=600, backend="nccl"))

@@ -228,6 +228,36 @@ def outer_compile_check(rank: int, world_size: int, backend: str = "aot_eager") 
     return {}
 
 
+def compiled_step_check(rank: int, world_size: int) -> dict:
+    """A training step under the user's ``torch.compile`` (forward, backward
+    and ``opt.step()`` in one compiled function, as torchtitan-style loops
+    write it) trains as the model does, and fxshard's own graph runs."""
+    torch.manual_seed(0)
+    model = models.TinyLlama(tie=False).to(_device())
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend="aot_eager")
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    @torch.compile(backend="aot_eager")
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for i in range(3):
+        tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * i + r)).to(_device())
+                  for r in range(world_size)]  # fmt: skip
+        step(tokens[rank])
+        (sum(lm_loss(ref(t), t) for t in tokens) / world_size).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-4, msg=name)
+    assert not model.fxshard_plan.sequenced and len(model.fxshard_plan.graphs) == 1, model.fxshard_plan.graphs
+    return {}
+
+
 def writes_check(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     """``zero_stage=1``: the writes must reach the kept full copies too (see [Note: ZeRO-1])."""
     torch.manual_seed(0)
@@ -606,6 +636,7 @@ def run_checks(rank: int, world_size: int, names: list[str]) -> dict:
               "state_dict_aliases_meta": lambda r, ws: state_dict_aliases_check(r, ws, metas=(True,)),
               "state_dict_aliases_not_meta": lambda r, ws: state_dict_aliases_check(r, ws, metas=(False,)),
               "outer_compile": outer_compile_check, "identical_rows": identical_rows_check,
+              "compiled_step": compiled_step_check,
               "optimizer_before_compile": optimizer_before_compile_check,
               "outer_compile_inductor": lambda r, ws: outer_compile_check(r, ws, backend="inductor"),
               "conversions": conversions_check, "meta_init": lambda r, ws: meta_init_check(r, ws, train=False),
