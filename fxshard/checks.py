@@ -150,7 +150,6 @@ def check_same_model(
     return smallest
 
 
-@torch.compiler.disable  # collectives and host reads, once: never traced into a user's outer compile
 def check_distinct_rows(params: Sequence[Param]) -> bool:
     """Raise ``ValueError`` on every rank of a group if two of its ranks hold
     the same rows of a sharded parameter that is not one value throughout.
