@@ -206,18 +206,28 @@ def init_through_shards_check(rank: int, world_size: int) -> dict:
     return {}
 
 
+def _compiled_llama(backend: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A compiled TinyLlama, its unsharded copy, and an AdamW for each."""
+    torch.manual_seed(0)
+    model = models.TinyLlama(tie=False).to(_device())
+    ref = copy.deepcopy(model)
+    fxshard.compile(model, backend=backend)
+    return model, ref, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+
+def _every_rank_tokens(step: int, world_size: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r)).to(_device())
+            for r in range(world_size)]  # fmt: skip
+
+
 def outer_compile_check(rank: int, world_size: int, backend: str = "aot_eager") -> dict:
     """``torch.compile(model)`` over a compiled model, as users wrap models out
     of habit, trains as the model does (AOTAutograd refused the shards as
     inputs once: "expected DTensor, got ShardParameter"); ``backend`` for both."""
-    torch.manual_seed(0)
-    model = models.TinyLlama(tie=False).to(_device())
-    ref = copy.deepcopy(model)
-    wrapped = torch.compile(fxshard.compile(model, backend=backend), backend=backend)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, ref, opt, ref_opt = _compiled_llama(backend)
+    wrapped = torch.compile(model, backend=backend)
     for step in range(2):
-        tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * step + r)).to(_device())
-                  for r in range(world_size)]  # fmt: skip
+        tokens = _every_rank_tokens(step, world_size)
         lm_loss(wrapped(tokens[rank]), tokens[rank]).backward()
         (sum(lm_loss(ref(t), t) for t in tokens) / world_size).backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -232,11 +242,7 @@ def compiled_step_check(rank: int, world_size: int) -> dict:
     """A training step under the user's ``torch.compile`` (forward, backward
     and ``opt.step()`` in one compiled function, as torchtitan-style loops
     write it) trains as the model does, and fxshard's own graph runs."""
-    torch.manual_seed(0)
-    model = models.TinyLlama(tie=False).to(_device())
-    ref = copy.deepcopy(model)
-    fxshard.compile(model, backend="aot_eager")
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, ref, opt, ref_opt = _compiled_llama("aot_eager")
 
     @torch.compile(backend="aot_eager")
     def step(tokens: torch.Tensor) -> torch.Tensor:
@@ -247,8 +253,7 @@ def compiled_step_check(rank: int, world_size: int) -> dict:
         return loss
 
     for i in range(3):
-        tokens = [torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(10 * i + r)).to(_device())
-                  for r in range(world_size)]  # fmt: skip
+        tokens = _every_rank_tokens(i, world_size)
         step(tokens[rank])
         (sum(lm_loss(ref(t), t) for t in tokens) / world_size).backward()
         ref_opt.step(), ref_opt.zero_grad()
