@@ -152,13 +152,14 @@ def check_same_model(
 
 def check_distinct_rows(params: Sequence[Param]) -> bool:
     """Raise ``ValueError`` on every rank of a group if two of its ranks hold
-    the same rows of a sharded parameter that is not one value throughout.
+    the same rows of a sharded parameter whose rows differ within a shard.
 
     Ranks hold different rows of one weight, so equal shards mean the values
     were drawn per shard with one seed: ``p.copy_(torch.randn_like(p))`` and
     other random ops that make new DTensors draw each rank's rows alike on a
     CPU mesh (DTensor's behaviour). Such rows never break symmetry, and
-    training would go on without an error. Shards of a group are compared
+    training would go on without an error. A shard of one row, or of one row
+    repeated, cannot tell a draw from a design and is left alone. Shards of a group are compared
     among its ranks (an HSDP replica's shard group, the experts' group).
     Returns False, having checked nothing, while a shard is on the meta
     device (values come later, through ``to_empty``)."""
@@ -177,11 +178,16 @@ def check_distinct_rows(params: Sequence[Param]) -> bool:
             continue
         rows = []
         for p in members:
-            flat = p.shard.local().detach().reshape(-1)
+            local = p.shard.local().detach()
+            # One row repeated is a model's own design (Mamba's A_log, every row
+            # log(1..N)); only rows that differ within a shard can show a draw.
+            shard = local.flatten(1) if local.dim() > 1 else local.reshape(-1, 1)
             varied = (
-                (flat != flat[0]).any() if flat.numel() > 1 else torch.zeros((), dtype=torch.bool, device=flat.device)
+                (shard != shard[:1]).any()
+                if shard.shape[0] > 1
+                else torch.zeros((), dtype=torch.bool, device=local.device)
             )
-            rows.append(torch.stack([checksum(flat), torch.full_like(varied, p.local_rows, dtype=torch.int64),
+            rows.append(torch.stack([checksum(local), torch.full_like(varied, p.local_rows, dtype=torch.int64),
                                      varied.to(torch.int64)]))  # fmt: skip
         # ranks x members x (checksum, rows, varied)
         every = _all_gather(torch.stack(rows), compat.resolve_group(name), members[0].plan.device)

@@ -566,7 +566,8 @@ def identical_rows_check(rank: int, world_size: int) -> dict:
     new DTensor, which draws every CPU rank's rows alike) would never break
     symmetry: the first call raises on every rank, naming the weight and the
     fix, and runs once the weight is drawn in place. On GPUs DTensor draws
-    each rank's rows apart, and nothing raises."""
+    each rank's rows apart, and nothing raises. A weight whose rows are one
+    row repeated by design (Mamba's ``A_log``) never raises."""
     model = fxshard.compile(_meta_llama(), backend="aot_eager")
     tokens = torch.zeros(1, 3, dtype=torch.long, device=_device())
     with pytest.raises(ValueError, match="meta device.*to_empty"):  # a call before the values: checked later
@@ -575,8 +576,11 @@ def identical_rows_check(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     init_weights(model)
     wq = model.get_parameter("layers.0.attn.wq.weight")
+    wk = model.get_parameter("layers.0.attn.wk.weight")
     with torch.no_grad():
         wq.copy_(torch.randn_like(wq))
+        # As Mamba's A_log = log(arange(1, N + 1)).expand(rows, N): every rank's rows alike
+        wk.copy_(torch.arange(1, wk.shape[1] + 1, dtype=wk.dtype, device=_device()).log().expand(wk.shape))
     if _device().type == "cpu":
         with pytest.raises(ValueError, match=r"ranks 0 and 1 .* 'layers\.0\.attn\.wq\.weight' hold the same rows"):
             model(tokens)
