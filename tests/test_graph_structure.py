@@ -1097,3 +1097,33 @@ def test_blocks_writing_in_place(fake_pg, on_input):
         assert record.outline.bodies == [] and record.outline.inline == names
     else:
         assert record.outline.bodies == [names] and not record.outline.inline
+
+
+def test_lowering_traces_each_collective_layout_once(fake_pg, monkeypatch):
+    """The lowering pass traces a collective once per distinct (collective,
+    arguments, input layout) in a graph, not once per parameter: alike
+    layers repeat their shapes. Replicated parameters (``no_shard``, a
+    frozen tower's, world size 1) are lowered one by one, and tracing each
+    read was most of this pass's time."""
+    from examples.llama import Llama, LlamaConfig
+    from fxshard.passes import lower
+
+    traced, inlined = [], []
+    make_fx, inline = compat.make_fx, lower._inline
+
+    def _inline(graph, lowering, *args):
+        val = lowering.node.args[0].meta["val"]
+        inlined.append((param_of(lowering.node).fqn, lowering.fn.func.__name__, tuple(val.shape), val.stride()))
+        return inline(graph, lowering, *args)
+
+    monkeypatch.setattr(compat, "make_fx", lambda fn, **kw: traced.append(fn) or make_fx(fn, **kw))
+    monkeypatch.setattr(lower, "_inline", _inline)
+    model = Llama(LlamaConfig(layers=2))
+    fxshard.no_shard(model.layers)
+    _train_once(model)
+    layers = {n for n, _ in model.named_parameters() if n.startswith("layers.")}
+    assert {i[0] for i in inlined} == layers
+    # Per distinct shape, a read in the forward (gather_full at world size 1)
+    # and an all-reduce in the backward: 8 traces for 36 lowerings.
+    shapes = {tuple(p.shape) for p in model.layers.parameters()}
+    assert len(inlined) == 2 * len(layers) and len(traced) == 2 * len(shapes)

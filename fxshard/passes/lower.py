@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ class Lowering:
     """Replace ``node`` by the graph of ``fn`` applied to its first argument."""
 
     node: fx.Node
-    fn: Callable[[torch.Tensor], torch.Tensor]
+    fn: functools.partial  # a collective of fxshard.runtime.collectives, its arguments bound by keyword
 
 
 def plan_lowering(gm: fx.GraphModule) -> tuple[Lowering, ...]:
@@ -79,12 +79,28 @@ def fake_value(target: Any, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
         return target(*fx.node.map_aggregate(args, unwrap), **fx.node.map_aggregate(kwargs, unwrap))
 
 
-def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions: dict | None) -> None:
+def _traced(lowering: Lowering, decompositions: dict | None, cache: dict) -> fx.GraphModule:
+    """``lowering.fn`` traced to ATen on a meta input of the marker's input's
+    layout. A model's layers repeat their shapes, so a graph's many lowerings
+    trace a few distinct graphs (``make_fx`` dominated this pass)."""
+    val = lowering.node.args[0].meta["val"]
+    fn = lowering.fn
+    layout = (*val.shape, *val.stride())
+    key = (fn.func, fn.args, tuple(sorted(fn.keywords.items())), layout, val.dtype)
+    static = all(type(d) is int for d in layout)  # a symbolic size hashes by no value
+    if not static or key not in cache:
+        meta_input = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+        traced = compat.make_fx(fn, decomposition_table=decompositions)(meta_input)
+        if not static:
+            return traced
+        cache[key] = traced
+    return cache[key]
+
+
+def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions: dict | None, cache: dict) -> None:
     node = lowering.node
     source = node.args[0]
-    val = source.meta["val"]
-    meta_input = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-    traced = compat.make_fx(lowering.fn, decomposition_table=decompositions)(meta_input)
+    traced = _traced(lowering, decompositions, cache)
     env: dict[fx.Node, fx.Node] = {}
     result = source
     with graph.inserting_before(node):
@@ -186,7 +202,8 @@ def lower_collectives_pass(
             gm.graph.lint()
         return gm
     fake_mode = compat.detect_fake_mode(example_inputs)
+    cache: dict = {}
     for lowering in plan:
-        _inline(gm.graph, lowering, fake_mode, decompositions)
+        _inline(gm.graph, lowering, fake_mode, decompositions, cache)
     gm.graph.lint()
     return gm
