@@ -150,17 +150,41 @@ def check_same_model(
     return smallest
 
 
+# _like_a_draw counts the distinct values among a shard's first _SAMPLE and
+# wants _DISTINCT: fewer cannot tell a draw from chance.
+_SAMPLE, _DISTINCT = 64, 16
+
+
+def _like_a_draw(local: torch.Tensor) -> torch.Tensor:
+    """Whether a shard's values could tell a per-shard draw (a bool tensor:
+    no host sync per parameter). Its rows must differ: one row repeated is a
+    model's design (Mamba's ``A_log``, log(1..N) in every row), and a shard
+    of one row cannot tell. And its first values must be many and distinct,
+    as drawn values are: a weight one Adam step from a constant (a norm's,
+    after a checkpoint's first step) holds two values, which two ranks'
+    small shards share by chance."""
+    if local.is_complex():
+        local = torch.view_as_real(local)
+    rows = local.flatten(1) if local.dim() > 1 else local.reshape(-1, 1)
+    if rows.shape[0] < 2:
+        return torch.zeros((), dtype=torch.bool, device=local.device)
+    sample = local.reshape(-1)[:_SAMPLE].sort().values
+    distinct = 1 + (sample[1:] != sample[:-1]).sum()
+    return (rows != rows[:1]).any() & (distinct >= _DISTINCT)
+
+
 def check_distinct_rows(params: Sequence[Param]) -> bool:
     """Raise ``ValueError`` on every rank of a group if two of its ranks hold
-    the same rows of a sharded parameter whose rows differ within a shard.
+    the same rows of a sharded parameter whose values look drawn.
 
     Ranks hold different rows of one weight, so equal shards mean the values
     were drawn per shard with one seed: ``p.copy_(torch.randn_like(p))`` and
     other random ops that make new DTensors draw each rank's rows alike on a
     CPU mesh (DTensor's behaviour). Such rows never break symmetry, and
-    training would go on without an error. A shard of one row, or of one row
-    repeated, cannot tell a draw from a design and is left alone. Shards of a group are compared
-    among its ranks (an HSDP replica's shard group, the experts' group).
+    training would go on without an error. Only shards whose values look
+    drawn are compared (see :func:`_like_a_draw`). Shards of a group are
+    compared among its ranks (an HSDP replica's shard group, the experts'
+    group).
     Returns False, having checked nothing, while a shard is on the meta
     device (values come later, through ``to_empty``)."""
     if any(p.shard.local().is_meta for p in params):
@@ -179,14 +203,7 @@ def check_distinct_rows(params: Sequence[Param]) -> bool:
         rows = []
         for p in members:
             local = p.shard.local().detach()
-            # One row repeated is a model's own design (Mamba's A_log, every row
-            # log(1..N)); only rows that differ within a shard can show a draw.
-            shard = local.flatten(1) if local.dim() > 1 else local.reshape(-1, 1)
-            varied = (
-                (shard != shard[:1]).any()
-                if shard.shape[0] > 1
-                else torch.zeros((), dtype=torch.bool, device=local.device)
-            )
+            varied = _like_a_draw(local)
             rows.append(torch.stack([checksum(local), torch.full_like(varied, p.local_rows, dtype=torch.int64),
                                      varied.to(torch.int64)]))  # fmt: skip
         # ranks x members x (checksum, rows, varied)

@@ -566,8 +566,9 @@ def identical_rows_check(rank: int, world_size: int) -> dict:
     new DTensor, which draws every CPU rank's rows alike) would never break
     symmetry: the first call raises on every rank, naming the weight and the
     fix, and runs once the weight is drawn in place. On GPUs DTensor draws
-    each rank's rows apart, and nothing raises. A weight whose rows are one
-    row repeated by design (Mamba's ``A_log``) never raises."""
+    each rank's rows apart, and nothing raises. Neither a weight whose rows
+    are one row repeated by design (Mamba's ``A_log``) nor one of two values
+    (a norm's, one Adam step from ones) ever raises."""
     model = fxshard.compile(_meta_llama(), backend="aot_eager")
     tokens = torch.zeros(1, 3, dtype=torch.long, device=_device())
     with pytest.raises(ValueError, match="meta device.*to_empty"):  # a call before the values: checked later
@@ -581,6 +582,15 @@ def identical_rows_check(rank: int, world_size: int) -> dict:
         wq.copy_(torch.randn_like(wq))
         # As Mamba's A_log = log(arange(1, N + 1)).expand(rows, N): every rank's rows alike
         wk.copy_(torch.arange(1, wk.shape[1] + 1, dtype=wk.dtype, device=_device()).log().expand(wk.shape))
+        # Two values, as one Adam step from ones leaves (1 -+ lr), and every rank's rows alike:
+        # a norm's few rows, and a larger weight's.
+        norm = model.get_parameter("layers.0.attn_norm.weight")
+        norm.copy_(torch.tensor([0.99, 1.01], device=_device()).repeat(norm.shape[0] // 2))
+        wv = model.get_parameter("layers.0.attn.wv.weight")
+        signs = torch.randint(
+            0, 2, (wv.shape[0] // world_size, wv.shape[1]), generator=torch.Generator().manual_seed(0)
+        )
+        wv.copy_((1 + 0.02 * signs - 0.01).repeat(world_size, 1).to(_device()))
     if _device().type == "cpu":
         with pytest.raises(ValueError, match=r"ranks 0 and 1 .* 'layers\.0\.attn\.wq\.weight' hold the same rows"):
             model(tokens)
