@@ -83,18 +83,17 @@ def _traced(lowering: Lowering, decompositions: dict | None, cache: dict) -> fx.
     """``lowering.fn`` traced to ATen on a meta input of the marker's input's
     layout. A model's layers repeat their shapes, so a graph's many lowerings
     trace a few distinct graphs (``make_fx`` dominated this pass)."""
-    val = lowering.node.args[0].meta["val"]
-    fn = lowering.fn
+    val, fn = lowering.node.args[0].meta["val"], lowering.fn
     layout = (*val.shape, *val.stride())
     key = (fn.func, fn.args, tuple(sorted(fn.keywords.items())), layout, val.dtype)
     static = all(type(d) is int for d in layout)  # a symbolic size hashes by no value
-    if not static or key not in cache:
-        meta_input = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-        traced = compat.make_fx(fn, decomposition_table=decompositions)(meta_input)
-        if not static:
-            return traced
+    if static and key in cache:
+        return cache[key]
+    meta_input = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    traced = compat.make_fx(fn, decomposition_table=decompositions)(meta_input)
+    if static:
         cache[key] = traced
-    return cache[key]
+    return traced
 
 
 def _inline(graph: fx.Graph, lowering: Lowering, fake_mode: Any, decompositions: dict | None, cache: dict) -> None:
