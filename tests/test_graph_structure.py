@@ -147,6 +147,58 @@ def test_local_shards_start_their_slots(fake_pg):
     assert named[member.param.fqn].to_local().data_ptr() == member.param.shard.local().data_ptr()
 
 
+def test_a_gather_costs_no_host_work_per_member(fake_pg, monkeypatch):
+    """A gather's host work does not grow with its unit's members (counts,
+    not times: a host-bound step pays it twice per unit). Its aten ops are
+    the same for every unit, whatever its size: one split each for the
+    blocks and for this rank's slots, not a slice per member. Whether the
+    shards still start their slots is checked once per call of the root,
+    a member at a time, not at every gather (``Units.check_slots``); a
+    shard given another local tensor since is sent from that tensor, in
+    forward and backward, from the next call on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fxshard.runtime.units as units_module
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "aten":  # not the collectives: one per member on gloo, coalesced on NCCL
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = models.TinyLlama()
+    _train_once(model, unit_mb=0.02, mp_policy=fxshard.MixedPrecision(torch.bfloat16, torch.float32))
+    units = model.fxshard_plan.units
+    assert len({len(u.members) for u in units.units}) > 1 and max(len(u.members) for u in units.units) > 8
+    ops = set()
+    for unit in units.units:
+        with Ops() as mode:
+            mode.seen = []
+            units.gather_start(unit.index)
+        units.gather_wait(unit.index)
+        ops.add(tuple(mode.seen))
+    assert len(ops) == 1 and len(next(iter(ops))) == 4, ops  # empty, a split each, the cast
+
+    checks = []
+    monkeypatch.setattr(units_module, "_starts_slot", lambda *a, check=units_module._starts_slot: (
+        checks.append(a), check(*a))[1])  # fmt: skip
+    model(torch.randint(0, 37, (2, 9))).sum().backward()
+    assert len(checks) == len(units.unit_of), "each member once, at the call"
+
+    unit = units.units[1]
+    member = unit.members[0]
+    shard = model.get_parameter(member.param.fqn)
+    new = shard.to_local() + 1
+    compat.replace_local_tensor(shard, new)
+    sent = []  # what each gather of the unit sends
+    monkeypatch.setattr(unit, "shard_slots", lambda slots=unit.shard_slots: sent.append(slots()) or sent[-1])
+    model(torch.randint(0, 37, (2, 9))).sum().backward()
+    assert len(sent) == 2, "the unit is gathered in forward and again in backward"
+    for sources in sent:
+        assert sources[0].untyped_storage().data_ptr() != unit.slots[0].untyped_storage().data_ptr()
+        assert torch.equal(sources[0][: member.local_numel], new.reshape(-1))
+
+
 def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
     """No copy-out: the gather writes each member's full parameter into the
     tensor its wait returns, member-major; the reduce-scatter writes the

@@ -212,6 +212,8 @@ class RootState:
             self.check_rows = not check_distinct_rows(self.sequencer.params)
         if self.sequenced:
             return self._sequenced_call(module, base, args, kwargs)
+        if self.units is not None:
+            self.units.check_slots()  # once per call, not per gather
         try:
             with self.shards.scope(self._phase()):
                 out = base.__call__(module, *args, **kwargs)

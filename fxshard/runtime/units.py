@@ -162,6 +162,8 @@ class Unit:
         first = params[0]
         self.shard_dtype, self.gather_dtype, self.device = first.shard_dtype, first.gather_dtype, first.device
         self.slots: tuple[torch.Tensor, ...] | None = None  # per member, set by ``rehome``
+        self.in_slots = False  # every local shard starts its slot, as ``check_slots`` last found
+        self._splits: dict[int | None, tuple[list[int], list[int]]] = {}  # see gathered_views
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -190,20 +192,49 @@ class Unit:
                 m.param.shard.rehome(view)
                 slots.append(slot)
         self.slots = tuple(slots)
+        self.check_slots()
+
+    def check_slots(self) -> None:
+        """Whether every member's local shard still starts its slot: the user
+        may have given a DTensor another local tensor since. Checked at each
+        call of the root (``Units.check_slots``), not at each gather: a
+        member at a time is host time that a unit's gathers in forward and
+        backward would pay on every step."""
+        slots = self.slots
+        self.in_slots = slots is not None and all(_starts_slot(m, s) for m, s in zip(self.members, slots))
 
     def shard_slots(self) -> tuple[torch.Tensor, ...]:
         """This rank's slot of each member: the buffers themselves while every
-        local shard still starts its slot (the user may have replaced one);
-        else padded copies."""
-        slots = self.slots
-        if slots is not None and all(_starts_slot(m, s) for m, s in zip(self.members, slots)):
-            return slots
+        local shard starts its slot (``check_slots``); else padded copies."""
+        if self.in_slots:
+            return self.slots
         copies = []
         for m in self.members:
             copy = torch.zeros(m.slot, dtype=self.shard_dtype, device=self.device)
             copy[: m.local_numel].copy_(m.param.shard.local().reshape(-1))
             copies.append(copy)
         return tuple(copies)
+
+    def gathered_views(self, out: torch.Tensor, rank: int | None = None) -> list[torch.Tensor]:
+        """Each member's block of a gathered ``out`` (``world_size * slot``
+        elements), or with ``rank`` that rank's slot in each block: one
+        split, where a slice per member cost host time on every gather."""
+        split = self._splits.get(rank)
+        if split is None:  # the pieces, each after the gap before it where there is one
+            ws, sizes, pick, end = self.world_size, [], [], 0
+            for m in self.members:
+                start = ws * m.offset + (0 if rank is None else rank * m.slot)
+                if start > end:
+                    sizes.append(start - end)
+                pick.append(len(sizes))
+                sizes.append(ws * m.slot if rank is None else m.slot)
+                end = start + sizes[-1]
+            if ws * self.numel > end:
+                sizes.append(ws * self.numel - end)
+            split = self._splits[rank] = (sizes, pick)
+        sizes, pick = split
+        pieces = out.split_with_sizes(sizes)
+        return [pieces[i] for i in pick]
 
 
 def _fills_slot(local: torch.Tensor, m: Member, dtype: torch.dtype) -> bool:
@@ -294,6 +325,16 @@ class Units:
             if unit.slots is None:
                 unit.rehome()
 
+    def check_slots(self) -> None:
+        """Before each call of the root: which units' shards all still start
+        their slots (``Unit.check_slots``). The gathers of the call and of its
+        backward read the slots of those, and copy the others' shards. A
+        shard replaced between a forward and its backward is not seen until
+        the next call: that backward gathers what its forward did, as eager
+        PyTorch computes a backward from the tensors its forward saved."""
+        for unit in self.units:
+            unit.check_slots()
+
     def _group(self, name: str) -> object:
         if name not in self._groups:
             self._groups[name] = compat.resolve_group(name)
@@ -331,18 +372,17 @@ class Units:
         group = self._group(self.group_name)
         out = torch.empty(ws * u.numel, dtype=u.gather_dtype, device=u.device)
         sources = u.shard_slots()  # copies until ``rehome``: kept until the wait (see below)
-        outputs = [out[ws * m.offset : ws * (m.offset + m.slot)] for m in u.members]
+        outputs = u.gathered_views(out)
         cast = u.gather_dtype != u.shard_dtype
         stream = self._side_stream(u.device) if cast else None
         if stream is not None:  # fork: the cast follows what the current stream issued before it
             stream.wait_stream(torch.cuda.current_stream(u.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if cast:  # into this rank's slot of each member's block; the all-gather runs in place
-                r = group.rank()
-                inputs = [o[r * m.slot : (r + 1) * m.slot] for o, m in zip(outputs, u.members)]
-                compat.foreach_copy_(inputs, list(sources))
+                inputs = u.gathered_views(out, group.rank())
+                compat.foreach_copy_(inputs, sources)
             else:
-                inputs = list(sources)
+                inputs = sources
             work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
         # Everything the side stream reads stays referenced until the wait has
         # joined it to the current stream: the caching allocator would hand a
