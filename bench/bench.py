@@ -96,6 +96,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -737,7 +738,27 @@ def child_command(args: argparse.Namespace, system: str, out: Path) -> list[str]
         return [sys.executable, script, *flags]
     nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     nproc = nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *flags]
+    return [*torchrun(nproc), script, *flags]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The torchrun command that starts each system, with BENCH_TORCHRUN_ARGS
+    added (``--numa-binding=node``: each rank on the CPUs near its GPU)."""
+    extra = shlex.split(os.environ.get("BENCH_TORCHRUN_ARGS", ""))
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra]
+
+
+def host_placement() -> dict:
+    """Where this rank's process runs: how many CPUs it may use, the CPU it
+    is on now and that CPU's NUMA node. Host-bound steps of one system differ
+    by up to 1.5x from one process to the next (every host phase alike, the
+    optimizer's included); this is what to compare them by."""
+    cpu = node = None
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        cpu = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[36])
+        node = next(int(p.name[4:]) for p in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"))
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return dict(cpus=affinity, cpu=cpu, numa_node=node)
 
 
 def run_child(command: list[str], timeout: float | None) -> int:
@@ -827,7 +848,13 @@ def run_one(args: argparse.Namespace, system: str) -> None:
                 torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
                 precision="bf16 compute, fp32 reduce",
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
-                fake_world=args.fake_world, fxshard_tree=FXSHARD_TREE)  # fmt: skip
+                fake_world=args.fake_world, fxshard_tree=FXSHARD_TREE,
+                torchrun_args=os.environ.get("BENCH_TORCHRUN_ARGS"))  # fmt: skip
+    placement = [host_placement()]
+    if not args.fake_world:
+        placement = [None] * dist.get_world_size()
+        dist.all_gather_object(placement, host_placement())
+    meta["host_placement"] = placement  # per rank
     result = run_system(system, args.model, mesh, args.batch, tp_mesh, ep_meshes)
     if dist.get_rank() == 0:
         print(table([result]), flush=True)

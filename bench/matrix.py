@@ -181,8 +181,7 @@ def run_system(row: Row, system: str, tree: Path | None, nproc: int, timeout: fl
         flags.append(f"--memory-step={MEMORY_STEP}")
     if tree is not None:
         flags.append(f"--fxshard-tree={tree}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(ROOT / "bench" / "bench.py"), *flags]  # fmt: skip
+    command = [*bench.torchrun(nproc), str(ROOT / "bench" / "bench.py"), *flags]
     print(f"== {row.name}: {system}{' @ ' + str(tree) if tree else ''}", flush=True)
     start = time.monotonic()
     status = bench.run_child(command, timeout)
