@@ -1064,7 +1064,7 @@ def full_state_dict_round_trip(rank: int, ws: int) -> None:
 
 def meta_init_load_sharded_state_dict(rank: int, ws: int) -> None:
     # test_rank0_broadcast_meta_device_init: a meta-device model, compiled, loads rank 0's full state
-    # dict sharded with distribute_tensor. FSDP2 loads it with assign=True; fxshard differs (docs/api.md,
+    # dict sharded with distribute_tensor. FSDP2 loads it with assign=True; fxshard differs (docs/limits.md,
     # "Checkpoints": assign=True is not supported, and raises): it loads without assign after
     # to_empty, then trains as the unsharded model does.
     with torch.device("meta"):
