@@ -382,7 +382,7 @@ class Units:
                 inputs = u.gathered_views(out, group.rank())
                 compat.foreach_copy_(inputs, sources)
             else:
-                inputs = sources
+                inputs = list(sources)
             work = compat.all_gather_coalesced_async(outputs, inputs, group, coalesce=self._on_nccl(self.group_name))
         # Everything the side stream reads stays referenced until the wait has
         # joined it to the current stream: the caching allocator would hand a
