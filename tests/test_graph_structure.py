@@ -231,8 +231,10 @@ def test_collectives_write_what_the_graph_reads(fake_pg, monkeypatch):
 @pytest.mark.parametrize("blocks", [False, True], ids=["flat", "blocks"])
 def test_explicit_units_override(fake_pg, blocks):
     """units=[modules]: each listed module is one unit, minus deeper listed
-    modules; the rest forms units by size (with outlined blocks, layer 1 is a
-    unit of its own: a block joins blocks, not the other parameters)."""
+    modules; the rest forms units by size, within runs of first use that a
+    listed unit does not interrupt (the embedding, read before layer 0, is a
+    unit of its own), and with outlined blocks, layer 1 is a unit of its own
+    (a block joins blocks, not the other parameters)."""
     model = models.TinyLlama()
     _train_once(model, units=[model.layers[0], model.layers[0].attn], unit_mb=256, compile_blocks_once=blocks)
     units = {u.names for u in model.fxshard_plan.units.units}
@@ -242,8 +244,9 @@ def test_explicit_units_override(fake_pg, blocks):
     assert any(set(u) == rest_of_block for u in units)
     layer1 = {n for n, _ in model.named_parameters() if n.startswith("layers.1.")}
     assert any(set(u) >= layer1 for u in units)
-    # the two listed, and everything else by size: one 256 MiB unit, or layer 1 and the rest
-    assert len(units) == (4 if blocks else 3), units
+    assert ("embed.weight",) in units
+    # the two listed, the embedding, and the rest by size: one unit, or layer 1 and the norm with the output
+    assert len(units) == (5 if blocks else 4), units
 
 
 class _Checkpointed(nn.Module):

@@ -373,3 +373,22 @@ def test_the_benchmark_models_reduce_counts():
         params, blocks, names = _llama_blocks(*shape)
         formed = form_units(params, names, unit_bytes, blocks=blocks)
         assert (len(formed), sum(map(len, formed))) == (units, reduces), model
+
+
+def test_weights_outside_blocks_join_only_uninterrupted_runs():
+    """An untied embedding (read first) and the final norm and output
+    projection (read last) fit one unit by size, but joined they would stay
+    gathered through every block between them: OLMoE's peak held its 0.2 GiB
+    embedding through the forward. They form a unit per run of first uses
+    that no block interrupts."""
+    params, blocks, names = _llama_blocks(2, 256, 512)
+    for j, (name, shape) in enumerate({"embed": (1000, 256), "norm": (256,), "out": (1000, 256)}.items()):
+        params[name] = records.param(len(params) + j, name, shape, shape[0] // WS, world_size=WS, dtype=torch.bfloat16)
+    first_use = ["embed", *names, "norm", "out"]
+    formed = form_units(params, first_use, 256 * 2**20, blocks=blocks)
+    units = [[p.fqn for group in unit for p in group] for unit in formed]
+    assert units == [["embed"], names, ["norm", "out"]]
+    # Without blocks, nothing interrupts: one unit, as before.
+    assert [[p.fqn for group in unit for p in group] for unit in form_units(params, first_use, 256 * 2**20)] == [
+        first_use
+    ]

@@ -26,8 +26,11 @@ def form_units(
     listed: a block's call needs all of them at once, so a block is never
     split, and consecutive blocks join into units of about ``unit_bytes``.
     The rest, in first-use order, fill units of about ``unit_bytes`` of
-    gathered weights; a unit holds one dtype combination. Parameters the
-    graph never reads get no unit. Units are in first-use order.
+    gathered weights, each within a run of first uses that no unit above
+    interrupts: an embedding read first and an output projection read last
+    are two units, not one held gathered through every block between them.
+    A unit holds one dtype combination. Parameters the graph never reads
+    get no unit. Units are in first-use order.
 
     A unit of blocks reduces its consecutive blocks in groups of at least
     a quarter of ``unit_bytes`` (a group per block where blocks are that
@@ -46,10 +49,22 @@ def form_units(
     whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
     units.extend(_reduce_groups(unit, unit_bytes // 4)
                  for unit in _fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))  # fmt: skip
-    rest = [[params[n]] for n in first_use if n not in listed and n in params]
-    units.extend([[p for one in unit for p in one]] for unit in _fill(rest, unit_bytes))
+    for run in _runs([n for n in dict.fromkeys(first_use) if n in params], listed):
+        units.extend([[p for one in unit for p in one]] for unit in _fill([[params[n]] for n in run], unit_bytes))
     units.sort(key=lambda unit: order[unit[0][0].fqn])
     return units
+
+
+def _runs(first_use: Sequence[str], listed: set[str]) -> list[list[str]]:
+    """The names of ``first_use`` not in ``listed``, split where a listed
+    name comes between two of them."""
+    runs: list[list[str]] = [[]]
+    for name in first_use:
+        if name not in listed:
+            runs[-1].append(name)
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if run]
 
 
 def _gathered_bytes(infos: Sequence[Param]) -> int:
