@@ -346,8 +346,8 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     - ``unit_mb``: the size target of a unit, in MiB of gathered weights. Units
       are formed from the first compiled graph: parameters in order of first
       use. Each unit is one all-gather, and one reduce-scatter per layer
-      compiled once that it holds, layers joined until a reduce covers a
-      quarter of ``unit_mb`` (or one, for a unit without such layers).
+      compiled once that it holds, layers (or, in a unit without such layers,
+      parameters) joined until a reduce covers a quarter of ``unit_mb``.
     - ``units``: modules, each of which becomes one unit (its parameters not
       in a deeper listed module), instead of forming units by size. The
       parameters of no listed module form units by size.

@@ -9,6 +9,8 @@ built from parameter records alone (tests/helpers/records.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -60,11 +62,11 @@ SHAPES = {"a": (8, 3), "b": (5,), "c": (6, 2), "d": (4, 4)}  # full shapes; rank
 
 
 def _units() -> Units:
-    """a (96 bytes) and b fill a unit of 100 bytes; c is the next unit; d is
-    in none (a parameter the first graph never read)."""
+    """Units as the user lists them (each reduced as one): a and b, then c;
+    d is in none (a parameter the first graph never read)."""
     params = [records.param(i, name, shape, 2, world_size=WS) for i, (name, shape) in enumerate(SHAPES.items())]
     units = Units(ModelRuntime(), params, WS, "0", "1")
-    units.form(form_units(units.params, ["a", "b", "c"], unit_bytes=100))
+    units.form(form_units(units.params, ["a", "b", "c"], unit_bytes=100, explicit=[["a", "b"], ["c"]]))
     assert [u.names for u in units.units] == [("a", "b"), ("c",)]
     return units
 
@@ -392,3 +394,21 @@ def test_weights_outside_blocks_join_only_uninterrupted_runs():
     assert [[p.fqn for group in unit for p in group] for unit in form_units(params, first_use, 256 * 2**20)] == [
         first_use
     ]
+
+
+def test_units_without_blocks_reduce_in_groups():
+    """Where no layers are compiled once (torchtitan's MoE models), a unit
+    of the rest reduces its parameters in first-use order in groups of at
+    least a quarter of ``unit_mb``, as a unit of blocks does: reduced as
+    one, a Qwen3-MoE unit held its whole reduce input in fp32 (twice its
+    gathered size) at the backward's peak. The user's units reduce as one."""
+    unit_bytes = 256 * 2**20
+    params, _, names = _llama_blocks(4, 2048, 5632)  # 98 MiB a layer in bf16
+    formed = form_units(params, names, unit_bytes)  # no blocks: the rest
+    assert [p.fqn for unit in formed for group in unit for p in group] == names
+    assert [len(unit) for unit in formed] == [4, 2]  # units of 3 layers (294 MiB) and 1 (98 MiB)
+    for unit in formed:  # every group but a unit's last holds a quarter of unit_mb, and none much more
+        sizes = [sum(math.prod(p.shape) * 2 for p in group) for group in unit]
+        assert all(unit_bytes // 4 <= size < unit_bytes // 4 + 23 * 2**20 for size in sizes[:-1]), sizes
+    listed = form_units(params, names, unit_bytes, explicit=[names])
+    assert len(listed) == 1 and len(listed[0]) == 1

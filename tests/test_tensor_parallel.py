@@ -210,8 +210,9 @@ def test_one_rank_cuda_graph_refuses(one_rank):
 
 def test_tp_ranks_form_the_same_units():
     """Uneven TP pieces (66 and 65 rows of a vocab of 131) count alike, so
-    both TP ranks close a unit at the same parameter: with a unit of 4200
-    bytes, the 66-row piece alone (4224 bytes) would fill one."""
+    both TP ranks close a unit (and its reduce groups, of a quarter of the
+    unit's size) at the same parameter: with a unit of 4200 bytes, the
+    66-row piece alone (4224 bytes) would fill one."""
     from fxshard.passes.units import form_units
     from fxshard.runtime.plans import Param
     from fxshard.runtime.tensor_parallel import TPLayout
@@ -224,4 +225,4 @@ def test_tp_ranks_form_the_same_units():
         embed = Param(0, dataclasses.replace(embed.plan, tp=layout), embed.local_rows, embed.shard)
         params = {"embed": embed, "w": records.param(1, "w", (16, 16), 8)}
         formed.append([[[p.fqn for p in group] for group in unit] for unit in form_units(params, ["embed", "w"], 4200)])
-    assert formed[0] == formed[1] == [[["embed", "w"]]], formed
+    assert formed[0] == formed[1] == [[["embed"], ["w"]]], formed

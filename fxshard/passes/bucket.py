@@ -46,7 +46,11 @@ block of the 375M benchmark model (24 MiB blocks) made its step slower.
 So a reduce covers consecutive blocks up to at least a quarter of
 ``unit_mb``: a reduce per block where blocks are that large (OLMoE's, 1B's),
 a few per unit where they are small. Units without blocks (the rest of the
-model, or the user's ``units=``) reduce as one.
+model, all of it where no layers are compiled once: torchtitan's MoE models)
+reduce their parameters in first-use order in groups of the same size,
+whose gradients also complete near one another: reduced as one, a unit of
+torchtitan's Qwen3-MoE at 4 ranks held a 552 MiB reduce input at the
+backward's peak. The user's ``units=`` reduce as one.
 
 Markers of parameters in no unit (world size 1, or parameters the first graph
 never read) are left for ``lower_collectives``.

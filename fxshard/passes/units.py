@@ -32,9 +32,11 @@ def form_units(
     A unit holds one dtype combination. Parameters the graph never reads
     get no unit. Units are in first-use order.
 
-    A unit of blocks reduces its consecutive blocks in groups of at least
-    a quarter of ``unit_bytes`` (a group per block where blocks are that
-    large), the others in one group (see [Note: a reduce per block]).
+    A unit reduces in groups of at least a quarter of ``unit_bytes``: a
+    unit of blocks its consecutive blocks (a group per block where blocks
+    are that large), the rest's units their consecutive parameters in
+    first-use order; the user's units in one group (see [Note: a reduce per
+    block]).
     """
     order = {name: i for i, name in enumerate(first_use)}
     listed: set[str] = set()
@@ -50,7 +52,7 @@ def form_units(
     units.extend(_reduce_groups(unit, unit_bytes // 4)
                  for unit in _fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))  # fmt: skip
     for run in _runs([n for n in dict.fromkeys(first_use) if n in params], listed):
-        units.extend([[p for one in unit for p in one]] for unit in _fill([[params[n]] for n in run], unit_bytes))
+        units.extend(_reduce_groups(unit, unit_bytes // 4) for unit in _fill([[params[n]] for n in run], unit_bytes))
     units.sort(key=lambda unit: order[unit[0][0].fqn])
     return units
 
