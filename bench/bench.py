@@ -703,8 +703,9 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         "--fake-world",
         type=int,
         default=None,
-        help="one process, a fake process group of this many ranks: memory only (no communication "
-        "runs, so step times and losses mean nothing)",
+        help="one process, a fake process group of this many ranks: memory, and host time between trees "
+        "of one system (no communication runs, and the systems train on different numbers, so losses and "
+        "the times of two systems mean nothing)",
     )
     parser.add_argument(
         "--memory-step",
