@@ -402,7 +402,11 @@ def swap_load_check(rank: int, world_size: int) -> dict:
             opt.zero_grad()
         torch.testing.assert_close(losses[0], losses[1], msg=f"step {step} loss")
     assert len(seen) == 2, f"the hook on 0.weight ran {len(seen)} times in 2 backwards"
-    _same(model, ref, "after 2 steps")
+    # Trained, not loaded: the average over ranks may round an ulp away from the
+    # reference's gradient (at 3 ranks, on some CPUs), which Adam carries into the step.
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), atol=1e-5, rtol=1e-4,
+                                   msg=f"after 2 steps: {name}")  # fmt: skip
     return {}
 
 
@@ -451,12 +455,18 @@ def grads_through_attribute_check(rank: int, world_size: int, zero_stage: int = 
     assert model.get_parameter("2.bias").grad is None
     with pytest.raises(ValueError, match="full gradient's shape"):
         model[0].weight.grad = torch.zeros(3)
+    # fp32 tolerance, not equality: the written values are exact, but the rest is an
+    # average over ranks, which may round an ulp away from the reference (at 3 ranks,
+    # on some CPUs).
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         got = None if p.grad is None else p.grad.full_tensor()
-        torch.testing.assert_close(got, q.grad, atol=0, rtol=0, msg=f"{name}: the shard's gradient after writes")
+        torch.testing.assert_close(got, q.grad, msg=f"{name}: the shard's gradient after writes")
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
-    _same(model, ref, "after a step on the written gradients")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(
+            p.detach().full_tensor(), q.detach(), msg=f"after a step on written gradients: {name}"
+        )
     return {}
 
 
