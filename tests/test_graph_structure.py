@@ -1002,6 +1002,9 @@ def test_blocks_with_effects_stay_inline_and_in_order(fake_pg):
     model(torch.randn(4, 6)).sum().backward()
     (record,) = model.fxshard_plan.graphs
     assert record.outline.bodies == [] and record.outline.inline == ["layers.0", "layers.1", "layers.2"]
+    # The dump says why, also where nothing was outlined (it said only "none").
+    assert all("vmap" in record.outline.why[n] for n in record.outline.inline), record.outline.why
+    assert "inline: layers.0 (_vmap" in record.outline.format(), record.outline.format()
     names = [n.name for n in record.captured.graph.nodes]
     opens = [i for i, n in enumerate(names) if n.startswith("_vmap_increment_nesting")]
     closes = [i for i, n in enumerate(names) if n.startswith("_vmap_decrement_nesting")]
@@ -1150,6 +1153,7 @@ def test_blocks_writing_in_place(fake_pg, on_input):
     names = ["layers.0", "layers.1", "layers.2"]
     if on_input:
         assert record.outline.bodies == [] and record.outline.inline == names
+        assert all(record.outline.why[n].startswith("clamp_: an effect") for n in names), record.outline.why
     else:
         assert record.outline.bodies == [names] and not record.outline.inline
 

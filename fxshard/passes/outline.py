@@ -68,15 +68,16 @@ class OutlineRecord:
     bodies: list[list[str]] = field(default_factory=list)  # per body: the blocks calling it
     inline: list[str] = field(default_factory=list)
     weights: list[list[str]] = field(default_factory=list)  # per outlined block: the parameters it reads
+    why: dict[str, str] = field(default_factory=dict)  # per inline block: why it stays inline
 
     def format(self) -> str:
-        if not self.bodies:
+        if not self.bodies and not self.inline:
             return "outlined blocks: none\n"
         parts = [f"{len(b)} x body {i} ({b[0]}, ...)" if len(b) > 1 else f"body {i} ({b[0]})"
                  for i, b in enumerate(self.bodies)]  # fmt: skip
-        line = "outlined blocks (each body compiled once): " + ", ".join(parts)
-        if self.inline:
-            line += f"; inline: {', '.join(self.inline)}"
+        line = "outlined blocks (each body compiled once): " + (", ".join(parts) or "none")
+        if self.inline:  # with the reason: a user whose layers all stay inline must learn why
+            line += "; inline: " + ", ".join(f"{n} ({self.why[n]})" if n in self.why else n for n in self.inline)
         return line + "\n"
 
 
@@ -170,16 +171,18 @@ def _replayable_args(node: fx.Node) -> bool:
     return not (compat.is_higher_order_op(node.target) or str(node.target).startswith("fxshard."))
 
 
-def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
+def _make_block(name: str, nodes: list[fx.Node]) -> _Block | str:
+    """The block of ``nodes``, or why they cannot be one."""
     members = set(nodes)
     local = {n: i for i, n in enumerate(nodes)}
     inputs: dict[fx.Node, int] = {}
     ops = []
     outside = {_storage(a) for n in nodes for a in n.all_input_nodes if a not in members} - {None}
     for node in nodes:
-        replayable = _replayable(node) or _writes_own_value(node, members, outside)
-        if not replayable or not _static(example_value(node)):
-            return None
+        if not (_replayable(node) or _writes_own_value(node, members, outside)):
+            return f"{_op_name(node)}: an effect a body cannot replay"
+        if not _static(example_value(node)):
+            return f"{_op_name(node)}: symbolic sizes"
 
         def ref(arg: fx.Node) -> Any:
             if arg in members:
@@ -189,10 +192,12 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | None:
         args = fx.node.map_arg((node.args, node.kwargs), ref)
         ops.append((node.op, node.target, repr(args)))
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
-    if not outputs or not all(_static(example_value(i)) for i in inputs):
-        return None
+    if not outputs:
+        return "no output"
+    if not all(_static(example_value(i)) for i in inputs):
+        return "an input of symbolic sizes"
     if not any(is_weight_read(i) for i in inputs):
-        return None  # no weights: nothing to compile once that is worth a call (see the Note)
+        return "reads no weights"  # nothing to compile once that is worth a call (see the Note)
     key = (tuple(ops), tuple(_tensor_key(example_value(i)) for i in inputs),
            tuple(_tensor_key(example_value(n)) for n in nodes), tuple(local[o] for o in outputs))  # fmt: skip
     return _Block(name, nodes, list(inputs), outputs, key)
@@ -208,19 +213,22 @@ def _movable(node: fx.Node) -> bool:
     return _replayable(node) and not node.is_impure()
 
 
-def _contiguous(graph: fx.Graph, block: list[fx.Node]) -> bool:
-    """Move the nodes interleaved with ``block`` ahead of it; False, moving
-    nothing, if one of them reads the block (the block's values are needed
-    before its end) or must keep its place (see ``_movable``)."""
+def _contiguous(graph: fx.Graph, block: list[fx.Node]) -> str | None:
+    """Move the nodes interleaved with ``block`` ahead of it; or, moving
+    nothing, why not: one of them reads the block (the block's values are
+    needed before its end) or must keep its place (see ``_movable``)."""
     members = set(block)
     order = {n: i for i, n in enumerate(graph.nodes)}
     first, last = order[block[0]], order[block[-1]]
     between = [n for n in graph.nodes if first < order[n] < last and n not in members]
-    if any(a in members for n in between for a in n.all_input_nodes) or not all(map(_movable, between)):
-        return False
+    if any(a in members for n in between for a in n.all_input_nodes):
+        return "its values are read before its end"
+    fixed = next((n for n in between if not _movable(n)), None)
+    if fixed is not None:
+        return f"{_op_name(fixed)}: an effect among its nodes"
     for node in between:
         block[0].prepend(node)
-    return True
+    return None
 
 
 def _body(gm: fx.GraphModule, block: _Block) -> fx.GraphModule:
@@ -250,14 +258,16 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
             by_list.setdefault(where[0], {}).setdefault(where[1], []).append(node)
     classes: dict[tuple, list[_Block]] = {}
     inline: list[str] = []
+    why: dict[str, str] = {}
     for prefix, blocks_by_index in by_list.items():
         if len(blocks_by_index) < 2:
             continue
         for index, nodes in sorted(blocks_by_index.items()):
             name = f"{prefix}.{index}" if prefix else str(index)
-            block = _make_block(name, nodes) if _contiguous(graph, nodes) else None
-            if block is None:
+            block = _contiguous(graph, nodes) or _make_block(name, nodes)
+            if isinstance(block, str):
                 inline.append(name)
+                why[name] = block
             else:
                 classes.setdefault(block.key, []).append(block)
     if not classes and not inline:
@@ -268,6 +278,7 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
     for members in classes.values():
         if len(members) < 2:
             inline.extend(b.name for b in members)
+            why.update((b.name, "alike to no other block") for b in members)
             continue
         body_name = f"fxshard_block_{len(bodies)}"
         gm.register_module(body_name, _body(gm, members[0]))
@@ -282,7 +293,7 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
         renamed.update(_replace(graph, block, body_name, [_resolved(graph, i, resolved) for i in block.inputs]))
     graph.lint()
     gm.recompile()
-    return Recorded(gm, OutlineRecord(bodies, sorted(inline), weights))
+    return Recorded(gm, OutlineRecord(bodies, sorted(inline), weights, why))
 
 
 def _resolved(graph: fx.Graph, node: fx.Node, done: dict[fx.Node, fx.Node]) -> fx.Node:
