@@ -264,7 +264,7 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
             continue
         for index, nodes in sorted(blocks_by_index.items()):
             name = f"{prefix}.{index}" if prefix else str(index)
-            block = _contiguous(graph, nodes) or _make_block(name, nodes)
+            block = _contiguous(graph, nodes) or _make_block(name, nodes)  # each: why not, or it goes on
             if isinstance(block, str):
                 inline.append(name)
                 why[name] = block
