@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing import FileCheck
 
 import fxshard
@@ -1153,9 +1154,124 @@ def test_blocks_writing_in_place(fake_pg, on_input):
     names = ["layers.0", "layers.1", "layers.2"]
     if on_input:
         assert record.outline.bodies == [] and record.outline.inline == names
-        assert all(record.outline.why[n].startswith("clamp_: an effect") for n in names), record.outline.why
+        assert all(record.outline.why[n] == "clamp_: writes an input in place, and reads it after" for n in names), (
+            record.outline.why
+        )
     else:
         assert record.outline.bodies == [names] and not record.outline.inline
+
+
+class _ModeLayer(nn.Module):
+    """Part of its code in other modes, as torchtitan's MoE layer: a gate
+    under autocast, a count of its choices added to a buffer under no_grad
+    (``read_count``: then read again in the layer), and attention under
+    ``sdpa_kernel`` (torchtitan's puts cuDNN first)."""
+
+    def __init__(self, read_count: bool) -> None:
+        super().__init__()
+        self.gate, self.lin, self.read_count = nn.Linear(8, 4), nn.Linear(8, 8), read_count
+        self.register_buffer("counts", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            scores = self.gate(x)  # bf16: the body must replay the region
+        chosen = nn.functional.one_hot(scores.argmax(-1), 4).sum(0)
+        with torch.no_grad():
+            self.counts.add_(chosen)
+        y = self.lin(x) * torch.sigmoid(scores.float()).mean(-1, keepdim=True)
+        with sdpa_kernel([SDPBackend.MATH]):  # not the CPU's flash kernel, which it picks by default
+            y = y + nn.functional.scaled_dot_product_attention(*[y.view(2, 1, 8, 8)] * 3).view(16, 8)
+        return y + self.counts.sum() * 1e-3 if self.read_count else y
+
+
+class _ModeStack(nn.Module):
+    def __init__(self, read_count: bool, under_autocast: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_ModeLayer(read_count) for _ in range(3))
+        self.under_autocast = under_autocast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.under_autocast):
+            for layer in self.layers:
+                x = layer(x)
+        return x.float()
+
+
+@pytest.mark.parametrize("case", ["count_after", "count_read", "under_autocast"])
+def test_blocks_in_other_modes(no_dist, tmp_path, case):
+    """A layer with an autocast region, a choice of attention kernel and a
+    no_grad write to its buffer is compiled once: the body replays the
+    region and the choice, and the write runs after the call. A layer that
+    reads the buffer after writing it stays inline (the write cannot move),
+    and so does one in an autocast region of the model's: torch traces a
+    body's backward under the region that its call is in, and the
+    attention's gradients then rounded otherwise than eager's. Each says
+    why. Every case trains as in eager: outputs, gradients and the counts,
+    and its attention runs the kernel it chose (torchtitan's layers once ran
+    flash attention where they chose cuDNN's: the choice moved out of the
+    body, ahead of the call)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    read_count = case == "count_read"
+    ref = _ModeStack(read_count, case == "under_autocast")
+    model = _ModeStack(read_count, case == "under_autocast")
+    model.load_state_dict(ref.state_dict())
+    fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path)
+    for _ in range(2):
+        x = torch.randn(16, 8)
+        out, ref_out = model(x), ref(x)
+        torch.testing.assert_close(out, ref_out)
+        out.square().sum().backward(), ref_out.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    for layer, ref_layer in zip(model.layers, ref.layers):
+        assert layer.counts.sum() == 32, layer.counts  # 16 tokens counted twice, not more
+        torch.testing.assert_close(layer.counts, ref_layer.counts, rtol=0, atol=0)
+    (record,) = model.fxshard_plan.graphs
+    names = ["layers.0", "layers.1", "layers.2"]
+    why = {"count_read": "add_: writes an input in place, and reads it after",
+           "under_autocast": "runs under an autocast region opened outside it"}.get(case)  # fmt: skip
+    if why:
+        assert record.outline.bodies == [] and record.outline.inline == names
+        assert all(record.outline.why[n] == why for n in names), record.outline.why
+    else:
+        assert record.outline.bodies == [names], record.outline.format()
+    # Traced under the choice, whether outlined or inline: the math kernel's ops, not the flash kernel.
+    joint = "".join(f.read_text() for f in (tmp_path / "rank0" / "graph0" / "joint").glob("*.before.txt"))
+    assert "_softmax" in joint and "flash_attention" not in joint
+
+
+class _NormLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.lin(x)))
+
+
+def test_blocks_with_batch_norm_stay_inline(no_dist):
+    """Batch norm writes its running statistics with no in-place op in the
+    graph, which torch's invoke_subgraph cannot train; its count's ``add_``
+    alone could move after the call. Such layers stay inline, say why, and
+    keep their statistics as in eager."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), *(_NormLayer() for _ in range(3)))
+    model = nn.Sequential(nn.Linear(8, 8), *(_NormLayer() for _ in range(3)))
+    model.load_state_dict(ref.state_dict())
+    fxshard.compile(model, backend="aot_eager")
+    for _ in range(2):
+        x = torch.randn(16, 8)
+        model(x).sum().backward(), ref(x).sum().backward()
+    for name, value in ref.state_dict().items():
+        got = model.state_dict()[name]
+        torch.testing.assert_close(got.full_tensor() if isinstance(got, DTensor) else got, value, msg=name)
+    (record,) = model.fxshard_plan.graphs
+    assert record.outline.bodies == [] and record.outline.inline == ["0", "1", "2", "3"], record.outline.format()
+    assert all(record.outline.why[n] == "batch_norm: an effect a body cannot replay" for n in "123"), record.outline.why
 
 
 def test_lowering_traces_each_collective_layout_once(fake_pg, monkeypatch):

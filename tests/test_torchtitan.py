@@ -19,7 +19,10 @@ and per op), whose blocks' weights must move in units like the others.
 
 Llama 3's complex RoPE once crashed every outlined layer's backward
 ("invoke_subgraph at dispatch key Conjugate"); it must train with its layers
-outlined. MoE layers compute their experts in bf16 (torchtitan casts for
+outlined. The MoE layers must be outlined too (their router's autocast
+region, their attention's ``sdpa_kernel`` choice and their token count, an
+``add_`` to a buffer under ``no_grad``, once kept them inline), and their
+token counts must sum, over ranks, to the unsharded model's. MoE layers compute their experts in bf16 (torchtitan casts for
 ``grouped_mm``): under Inductor, rounding differs from eager by ~3e-4 of the
 largest gradient on the first step and then grows through Adam and the
 router's top-k, with or without fxshard (plain ``torch.compile`` of the
@@ -57,8 +60,8 @@ CASES = [
     *(pytest.param((name, "inductor"), marks=pytest.mark.full_cpu) for name in ("llama3_tied", "llama3+sac", *MOE)),
     pytest.param(("qwen3_moe+full_ac", "aot_eager"), marks=pytest.mark.full_cpu),
     ("deepseek_v3+bf16", "aot_eager"),
-    # "+units": units of about a third of the model, so that each unit reduces in several groups. torchtitan's
-    # MoE layers are not compiled once, so these are units without blocks, reduced in groups of parameters.
+    # "+units": units of about a third of the model, its layers compiled inline (compile_blocks_once=False), so
+    # that these are units without blocks, each reduced in several groups of parameters.
     ("deepseek_v3+units", "aot_eager"),
     pytest.param(("deepseek_v3+units", "inductor"), marks=pytest.mark.full_cpu),
 ]
@@ -135,6 +138,7 @@ def check_model(rank: int, world_size: int, name: str, backend: str, device: str
     kwargs = {}
     if small_units:  # a third of the gathered weights: several units, each over 4 reduce groups' worth
         kwargs["unit_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 3 / 2**20
+        kwargs["compile_blocks_once"] = False
     fxshard.compile(model, backend=backend, **kwargs)
     model.to_empty(device=device)
     torch.manual_seed(0)
@@ -149,7 +153,7 @@ def check_model(rank: int, world_size: int, name: str, backend: str, device: str
             assert differ <= REDRAWN, f"{name}: {n} differs from the unsharded init at {differ:.1%} of its values"
         else:
             _check_drawn_alike(f"{name}: {n}", full[n], q)
-        if model.get_parameter(n).placements[-1].is_shard() and q.dim() > 1:
+        if world_size > 1 and model.get_parameter(n).placements[-1].is_shard() and q.dim() > 1:
             chunk = -(-q.shape[0] // world_size)  # rank 1's rows start here
             common = q.shape[0] - chunk
             assert not torch.equal(full[n][:common], full[n][chunk : chunk + common]), (
@@ -191,10 +195,20 @@ def check_model(rank: int, world_size: int, name: str, backend: str, device: str
         ]
     if name in ("llama3", "llama3_tied"):  # complex RoPE and all: its layers are outlined, not left inline
         assert any(g.outline.bodies for g in plan.graphs), f"{name}: no layer was outlined"
+    if moe and "+" not in name and not small_units:  # checkpointed blocks: not outlined, and recompute counts
+        # The MoE layers are compiled once: their router's autocast region replays in the body, and their
+        # token count (an add_ to a buffer under no_grad) runs after the call. It counted every token.
+        moe_layers = [k for k, layer in model.layers.named_children() if getattr(layer, "moe", None) is not None]
+        outlined = {b for g in plan.graphs for body in g.outline.bodies for b in body}
+        assert {f"layers.{k}" for k in moe_layers} <= outlined, [g.outline.format() for g in plan.graphs]
+        for k in moe_layers:
+            counts = model.layers.get_submodule(k).moe.tokens_per_expert_E.clone()
+            dist.all_reduce(counts)  # each rank counted its own tokens; the reference counted all of them
+            torch.testing.assert_close(counts, ref.layers.get_submodule(k).moe.tokens_per_expert_E, rtol=0, atol=0)
     # Every gathered weight moves in its unit, checkpointed blocks' too (they once gathered one by one).
     looked_up = {name for g in plan.graphs for name in g.sharded_lookups}  # never gathered
-    sharded = {p.fqn for p in plan.params if p.fqn in plan.units.params} - looked_up
-    assert sharded <= set(plan.units.unit_of), (
+    sharded = {p.fqn for p in plan.params if plan.units and p.fqn in plan.units.params} - looked_up
+    assert world_size == 1 or sharded <= set(plan.units.unit_of), (
         f"{name}: weights in no unit: {sorted(sharded - set(plan.units.unit_of))}"
     )
     return {"grad_error": worst_seen, "steps": steps}

@@ -22,9 +22,22 @@ it once; the calls take the layer's gathered weights as inputs.
 - Nodes outside a block that the graph interleaves with it (its unshards)
   move ahead of it; a block whose values are read before its end is left
   inline, as is one with effects torch cannot replay (in-place ops on
-  inputs, RNG, autocast or grad-mode changes, vmap levels,
+  inputs, batch norm's running statistics, RNG, vmap levels,
   ``get_attr``/``call_module`` nodes), or one interleaved with such an effect
-  that would have to move. A block that makes or converts DTensors (tensor
+  that would have to move.
+- Modes (``_settle_modes``): dynamo records autocast regions, grad-mode
+  changes and ``sdpa_kernel``'s backend choices with no module, between a
+  layer's nodes (torchtitan's MoE: the router under autocast, a token count
+  ``add_``-ed to a buffer under ``no_grad``, attention with cuDNN first). An
+  autocast region or a backend choice that opens and closes within the
+  layer joins the block, and the body replays it; a write to a buffer that
+  the layer does not read after it moves after the call, with the grad-mode
+  changes around it. Neither may move ahead of the block: a backend choice
+  moved there was undone before the body was traced, and torchtitan's
+  layers ran flash attention instead of cuDNN's. A layer inside an autocast
+  region opened outside it (by the model or by the caller) stays inline:
+  torch traces the body's backward under the region where its call is, and
+  eager's backward runs outside it. A block that makes or converts DTensors (tensor
   parallelism's hooks and reads, see [Note: tensor-parallel parameters])
   stays inline too: torch cannot trace ``from_local``'s autograd function
   inside a body (it has no ``setup_context``).
@@ -57,6 +70,10 @@ from fxshard.runtime import compat
 _INDEX = re.compile(r"^(?:(.*)\.)?(\d+)$")
 _HOP = compat.invoke_subgraph_op()
 _DTENSOR_METHODS = frozenset({"to_local", "redistribute", "full_tensor"})
+# Functions that write their tensor arguments with no trailing "_" in their name: batch norm's running
+# statistics. torch's invoke_subgraph cannot train a body that writes its inputs.
+_WRITES_ARGS = frozenset({"batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit",
+                          "embedding_renorm_", "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm"})  # fmt: skip
 _RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
                      "normal", "multinomial", "uniform", "rrelu", "poisson"})  # fmt: skip
 
@@ -125,7 +142,7 @@ def _replayable(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = _op_name(node)
-    if _in_place(name) or name in _RANDOM or "dropout" in name:
+    if _in_place(name) or name in _RANDOM or "dropout" in name or name in _WRITES_ARGS:
         return False  # in place, or random
     if str(node.target).startswith("fxshard."):  # an fxshard op (OpOverload or packet)
         return False  # a collective: the unit passes must see it
@@ -135,6 +152,46 @@ def _replayable(node: fx.Node) -> bool:
     if module.startswith("torch.distributed") or name in _DTENSOR_METHODS:
         return False  # a DTensor's conversions (tensor parallelism): see the Note
     return not (compat.is_higher_order_op(node.target) or "autocast" in name or "grad" in name)
+
+
+def _is_autocast(node: fx.Node) -> bool:
+    return node.op == "call_function" and _op_name(node) in ("_enter_autocast", "_exit_autocast")
+
+
+def _is_grad_mode(node: fx.Node) -> bool:
+    return node.op == "call_function" and _op_name(node) == "_set_grad_enabled"
+
+
+def _is_backend_choice(node: fx.Node) -> bool:
+    """torch.nn.attention's ``sdpa_kernel`` (torchtitan's attention puts cuDNN
+    first): it sets which kernel the SDPA traced after it uses."""
+    return node.op == "call_function" and _op_name(node) in ("_sdpa_kernel", "_backend_from_string")
+
+
+def _is_scoped(node: fx.Node) -> bool:
+    """A node that sets a mode for the nodes traced after it, until a later one undoes it."""
+    return _is_autocast(node) or _is_backend_choice(node)
+
+
+def _scopes(nodes: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]] | None:
+    """Each autocast region and each backend choice among ``nodes``, as
+    (opening, closing) nodes; None where one opens or closes elsewhere."""
+    if not _autocast_balanced(nodes):
+        return None
+    scopes = [(e.args[0], e) for e in nodes if _is_autocast(e) and _op_name(e) == "_exit_autocast"]
+    choices = [n for n in nodes if n.op == "call_function" and _op_name(n) == "_sdpa_kernel"]
+    if len(choices) % 2:
+        return None
+    return scopes + list(zip(choices[::2], choices[1::2]))
+
+
+def _autocast_balanced(nodes: list[fx.Node]) -> bool:
+    """Every autocast region among ``nodes`` opens and closes among them:
+    the body replays it whole, and the outer graph's mode is the same after
+    the call as before."""
+    enters = [n for n in nodes if _is_autocast(n) and _op_name(n) == "_enter_autocast"]
+    exits = [n for n in nodes if _is_autocast(n) and _op_name(n) == "_exit_autocast"]
+    return len(enters) == len(exits) and sorted(map(id, enters)) == sorted(id(e.args[0]) for e in exits)
 
 
 @dataclass
@@ -178,8 +235,10 @@ def _make_block(name: str, nodes: list[fx.Node]) -> _Block | str:
     inputs: dict[fx.Node, int] = {}
     ops = []
     outside = {_storage(a) for n in nodes for a in n.all_input_nodes if a not in members} - {None}
+    if _scopes(nodes) is None:
+        return "a mode set or undone outside the block"
     for node in nodes:
-        if not (_replayable(node) or _writes_own_value(node, members, outside)):
+        if not (_replayable(node) or _writes_own_value(node, members, outside) or _is_scoped(node)):
             return f"{_op_name(node)}: an effect a body cannot replay"
         if not _static(example_value(node)):
             return f"{_op_name(node)}: symbolic sizes"
@@ -210,7 +269,159 @@ def _movable(node: fx.Node) -> bool:
     module for the node that closes a vmap), RNG, in-place ops."""
     if is_weight_read(node) or node.op == "get_attr":
         return True
+    if _is_scoped(node) or example_value(node) is None:
+        return False  # sets a mode (an SDPA backend choice once moved out of its layer), or has no value
     return _replayable(node) and not node.is_impure()
+
+
+def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
+    """Prepare a block that runs part of its code in another mode.
+    torchtitan's MoE computes its router's gate under
+    ``torch.autocast(dtype=float32)``, its attention under ``sdpa_kernel``
+    (cuDNN first), and adds its token counts to a buffer under
+    ``torch.no_grad()``; dynamo records the mode changes with no module, so
+    they are not the block's nodes, and ``_contiguous`` would refuse the
+    block for them, or move a backend choice ahead of it:
+
+    - an autocast region or a backend choice that opens and closes within
+      the block (or just around its ends) joins it, and the body replays it,
+      where the block's region holds nothing else but weight reads (which
+      move ahead of the block, out of the region: modes do not touch them);
+    - an in-place write to storage the block does not own (a buffer), whose
+      result nothing reads, moves after the block's last node, with the
+      grad-mode changes that enclose only such writes, where nothing after
+      it in the span reads that storage and the mode after the block is the
+      mode those changes restore: the body then writes none of its inputs,
+      and the write stores the same values, later.
+
+    Otherwise nothing moves, and it says why the block stays inline."""
+    members = set(block)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    head, tail = _mode_span(block)
+    if _under_autocast(head):
+        # torch traces a body's backward where it traces the call, under the region: eager's
+        # backward runs outside it (an attention's gradients rounded otherwise, 1e-3 relative)
+        return "runs under an autocast region opened outside it"
+    span = _between(head, tail)
+    outside = {_storage(a) for n in block for a in n.all_input_nodes if a not in members} - {None}
+
+    def deferrable(node: fx.Node) -> bool:
+        name = _op_name(node)
+        if node not in members or node.users or not _in_place(name) or name in _RANDOM or "dropout" in name:
+            return False
+        target = node.args[0] if node.args else None
+        return isinstance(target, fx.Node) and _storage(target) in outside and _replayable_args(node)
+
+    modes = [n for n in span if _is_grad_mode(n)]
+    moved = [n for n in span if deferrable(n)]
+    if modes:  # every change must enclose writes only, in pairs whose second restores the mode before the first
+        pairs = list(zip(modes[::2], modes[1::2]))
+        if len(modes) % 2 or any(_grad_mode_before(on) != off.args[0] for on, off in pairs):
+            return "_set_grad_enabled: a grad-mode change that the block does not undo"
+        if not all(n in moved for on, off in pairs for n in span[span.index(on) + 1 : span.index(off)]):
+            return "_set_grad_enabled: a grad-mode change around more than writes to buffers"
+        moved = sorted([*moved, *modes], key=order.__getitem__)
+    for node in moved:
+        if node in members:
+            storage = _storage(node.args[0])
+            later = [a for n in span[span.index(node) + 1 :] if n not in moved for a in n.all_input_nodes]
+            if any(s is not None and s == storage for s in map(_storage, later)):
+                return f"{_op_name(node)}: writes an input in place, and reads it after"
+    regions = [n for n in span if _is_scoped(n)]
+    if regions:
+        scopes = _scopes(regions)
+        if scopes is None:
+            return f"{_op_name(regions[0])}: a mode set or undone outside the block"
+        where = {n: i for i, n in enumerate(span)}
+        for opening, closing in scopes:
+            inside = span[where[opening] + 1 : where[closing]]
+            stray = next((n for n in inside if n not in members and not _is_scoped(n) and not _weight_read(n)), None)
+            if stray is not None:  # it would move ahead of the block, out of the mode
+                return f"{_op_name(stray)}: code of no block under the block's {_op_name(opening)}"
+    kept = [n for n in block if n not in moved]
+    if not kept or len(kept) == len(block) and not regions:
+        return None
+    anchor = next(n for n in reversed(span) if n not in moved)  # after every node they followed
+    for node in reversed(moved):
+        anchor.append(node)
+    kept = set(kept)
+    block[:] = [n for n in span if n in kept or _is_scoped(n)]
+    return None
+
+
+def _mode_span(block: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """The first and last node of ``block`` with the mode changes around its
+    ends that close or open one within it: past its last node, autocast
+    exits of regions opened within and backend choices while one is open
+    (torchtitan's attention ends in ``sdpa_kernel``'s restore); before its
+    first, past its weight reads, the matching enters and choices. A
+    neighbour's own changes stay out."""
+    members = set(block)
+    head, tail = block[0], block[-1]
+
+    def choice_open() -> bool:  # an odd number of choices: one made and not undone
+        return sum(_op_name(n) == "_sdpa_kernel" for n in _between(head, tail) if _is_backend_choice(n)) % 2 == 1
+
+    while True:
+        after = tail.next
+        closes = _is_autocast(after) and _op_name(after) == "_exit_autocast" and after.args[0] in _between(head, tail)
+        if not (closes or _is_backend_choice(after) and choice_open()):
+            break
+        tail = after
+    probe = head
+    while True:
+        before = probe.prev
+        if before.op == "root" or before in members:
+            break
+        inside = set(_between(head, tail))
+        opens = _is_autocast(before) and _op_name(before) == "_enter_autocast" and not before.users.keys() - inside
+        if opens or _is_backend_choice(before) and choice_open():
+            head = probe = before
+        elif _weight_read(before):
+            probe = before
+        else:
+            break
+    return head, tail
+
+
+def _under_autocast(node: fx.Node) -> bool:
+    """Whether ``node`` runs in an enabled autocast region: one the graph
+    opened before it and has not closed, or the caller's around the call."""
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        return True
+    open_regions: set[fx.Node] = set()
+    for before in node.graph.nodes:
+        if before is node:
+            break
+        if _is_autocast(before):
+            if _op_name(before) == "_enter_autocast":
+                open_regions.add(before)
+            else:
+                open_regions.discard(before.args[0])
+    return any(enter.args[2] for enter in open_regions)  # _enter_autocast(device, dtype, enabled, cache)
+
+
+def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
+    nodes, node = [first], first
+    while node is not last:
+        node = node.next
+        nodes.append(node)
+    return nodes
+
+
+def _weight_read(node: fx.Node) -> bool:
+    return is_weight_read(node) or node.op == "get_attr"
+
+
+def _grad_mode_before(node: fx.Node) -> bool:
+    """The grad mode in which ``node`` runs: the last change before it, or
+    the mode dynamo traced under (the backend runs in it)."""
+    prev = node.prev
+    while prev.op != "root":
+        if _is_grad_mode(prev):
+            return bool(prev.args[0])
+        prev = prev.prev
+    return torch.is_grad_enabled()
 
 
 def _contiguous(graph: fx.Graph, block: list[fx.Node]) -> str | None:
@@ -264,7 +475,7 @@ def outline_blocks_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Re
             continue
         for index, nodes in sorted(blocks_by_index.items()):
             name = f"{prefix}.{index}" if prefix else str(index)
-            block = _contiguous(graph, nodes) or _make_block(name, nodes)  # each: why not, or it goes on
+            block = _settle_modes(graph, nodes) or _contiguous(graph, nodes) or _make_block(name, nodes)
             if isinstance(block, str):
                 inline.append(name)
                 why[name] = block

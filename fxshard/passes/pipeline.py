@@ -139,7 +139,7 @@ class GraphRecord:
             parts.append(self.units)
         if self.sharded_lookups:
             parts.append(f"sharded embedding lookups (tokens move, not the table): {', '.join(self.sharded_lookups)}\n")
-        if self.outline.bodies:
+        if self.outline.bodies or self.outline.inline:  # also why nothing was outlined
             parts.append(self.outline.format())
         for phase, report in self.reports.items():
             parts.append(report.format())
