@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from fxshard.checks import check_same_model
@@ -289,7 +289,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     *,
     reshard_after_forward: bool | None = None,
     zero_stage: int | None = None,
-    mp_policy: MixedPrecision | None = None,
+    mp_policy: MixedPrecision | MixedPrecisionPolicy | None = None,
     backend: str = "inductor",
     prefetch: int = 1,
     unit_mb: float = 256,
@@ -338,7 +338,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       after each optimizer step (see [Note: ZeRO-1] in fxshard/module/zero1.py).
     - ``reshard_after_forward``: FSDP2's name: True is ``zero_stage=3``,
       False ``zero_stage=2``.
-    - ``mp_policy``: ``fxshard.MixedPrecision``.
+    - ``mp_policy``: ``fxshard.MixedPrecision``, or FSDP2's
+      ``MixedPrecisionPolicy`` (the same fields; its ``output_dtype`` must be
+      None: fxshard does not cast the model's output).
     - ``backend``: "inductor" or "aot_eager", the compiler run after fxshard's
       passes; "eager" compiles nothing and gathers on every access (debugging).
     - ``prefetch``: how many units of gathers run ahead of the unit computing

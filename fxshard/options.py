@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 from fxshard.passes.pipeline import COMPILERS
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat
@@ -44,6 +46,17 @@ class Options:
         return int(self.unit_mb * 2**20)
 
 
+def _from_fsdp2(policy: MixedPrecisionPolicy) -> MixedPrecision:
+    """FSDP2's policy as fxshard's, so that ``fully_shard(model, mp_policy=...)``
+    code moves over unchanged. fxshard does not cast the model's output."""
+    if policy.output_dtype is not None:
+        raise ValueError(
+            f"mp_policy: MixedPrecisionPolicy(output_dtype={policy.output_dtype}) is not supported: fxshard does "
+            "not cast the model's output. Pass output_dtype=None and cast the output in the model or the loss."
+        )
+    return MixedPrecision(policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs)
+
+
 def options(
     *,
     reshard_after_forward: object,
@@ -65,8 +78,13 @@ def options(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if mp_policy is None:
         mp_policy = MixedPrecision()
+    elif isinstance(mp_policy, MixedPrecisionPolicy):
+        mp_policy = _from_fsdp2(mp_policy)
     elif not isinstance(mp_policy, MixedPrecision):
-        raise ValueError(f"mp_policy must be fxshard.MixedPrecision or None, got {type(mp_policy).__name__}")
+        raise ValueError(
+            f"mp_policy must be fxshard.MixedPrecision, FSDP2's MixedPrecisionPolicy or None, "
+            f"got {type(mp_policy).__name__}"
+        )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
     if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fxshard
@@ -25,9 +26,12 @@ def test_single_rank_without_process_group_just_works(no_dist, monkeypatch):
 
 
 @pytest.mark.parametrize("cast", [True, False])
-def test_floating_inputs_are_cast_to_the_compute_dtype(no_dist, monkeypatch, cast):
+@pytest.mark.parametrize("spelling", ["fxshard", "fsdp2"])
+def test_floating_inputs_are_cast_to_the_compute_dtype(no_dist, monkeypatch, cast, spelling):
     """MixedPrecision(cast_forward_inputs=True), FSDP2's default: fp32 inputs
-    meet bf16 weights; integer ids and non-tensors are left alone."""
+    meet bf16 weights; integer ids and non-tensors are left alone. FSDP2's
+    own MixedPrecisionPolicy means the same (code from fully_shard moves
+    over unchanged)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
     class Net(nn.Module):
@@ -38,7 +42,8 @@ def test_floating_inputs_are_cast_to_the_compute_dtype(no_dist, monkeypatch, cas
         def forward(self, x: torch.Tensor, extra: dict, ids: torch.Tensor) -> torch.Tensor:
             return self.lin(x) + self.lin(extra["y"]) + self.emb(ids)
 
-    mp = fxshard.MixedPrecision(torch.bfloat16, torch.float32, cast_forward_inputs=cast)
+    policy = fxshard.MixedPrecision if spelling == "fxshard" else MixedPrecisionPolicy
+    mp = policy(torch.bfloat16, torch.float32, cast_forward_inputs=cast)
     model = fxshard.compile(Net(), mp_policy=mp, backend="aot_eager")
     call = lambda: model(torch.randn(2, 4), {"y": torch.randn(2, 4)}, torch.tensor([1, 2]))  # noqa: E731
     if not cast:
@@ -106,7 +111,8 @@ def test_embeddings_fxshard_cannot_train(fake_pg, table, match):
     "kwargs, match",
     [
         (dict(backend="tvm"), "backend must be one of"),
-        (dict(mp_policy=torch.bfloat16), "mp_policy must be fxshard.MixedPrecision"),
+        (dict(mp_policy=torch.bfloat16), "mp_policy must be fxshard.MixedPrecision, FSDP2's MixedPrecisionPolicy"),
+        (dict(mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32)), "output_dtype=None and cast the output"),
         (dict(reshard_after_forward="yes"), "reshard_after_forward must be True or False"),
         (dict(zero_stage=0), "zero_stage must be 1, 2 or 3"),
         (dict(zero_stage=True), "zero_stage must be 1, 2 or 3"),

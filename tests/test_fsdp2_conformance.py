@@ -9,7 +9,7 @@ concepts map as:
 - ``fully_shard(model)`` -> ``fxshard.compile(model)`` (``backend="aot_eager"``: CPU time);
 - ``fully_shard(block)`` per block, then the root -> ``units=[blocks...]``;
 - ``reshard_after_forward``, ``set_requires_gradient_sync`` -> the same names;
-- ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` -> ``fxshard.MixedPrecision``;
+- ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` -> ``fxshard.MixedPrecision`` (``mp_policy`` takes either);
 - modules left to DDP (ignored parameters) -> ``fxshard.no_shard``.
 
 Where fxshard deliberately differs from FSDP2 (docs/limits.md says so), the
