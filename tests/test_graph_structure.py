@@ -1243,6 +1243,33 @@ def test_blocks_in_other_modes(no_dist, tmp_path, case):
     assert "_softmax" in joint and "flash_attention" not in joint
 
 
+class _AttentionStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.MATH]):  # the model's choice, around its layers
+            for layer in self.layers:
+                x = layer(x)
+                x = x + nn.functional.scaled_dot_product_attention(*[x.view(2, 1, 8, 8)] * 3).view(16, 8)
+        return x
+
+
+def test_blocks_under_the_models_kernel_choice_stay_inline(no_dist, tmp_path):
+    """A kernel choice that the model makes around its layers: outlined, the
+    layers ran the default kernel (the body was traced without the choice),
+    silently. They stay inline, say why, and run the chosen kernel."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = fxshard.compile(_AttentionStack(), backend="aot_eager", debug_dir=tmp_path)
+    model(torch.randn(16, 8)).sum().backward()
+    (record,) = model.fxshard_plan.graphs
+    assert record.outline.bodies == [], record.outline.format()
+    assert set(record.outline.why.values()) == {"runs under an sdpa_kernel choice made outside it"}, record.outline.why
+    joint = "".join(f.read_text() for f in (tmp_path / "rank0" / "graph0" / "joint").glob("*.before.txt"))
+    assert "_softmax" in joint and "flash_attention" not in joint
+
+
 class _NormLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -37,7 +37,8 @@ it once; the calls take the layer's gathered weights as inputs.
   layers ran flash attention instead of cuDNN's. A layer inside an autocast
   region opened outside it (by the model or by the caller) stays inline:
   torch traces the body's backward under the region where its call is, and
-  eager's backward runs outside it. A block that makes or converts DTensors (tensor
+  eager's backward runs outside it. So does a layer inside an ``sdpa_kernel``
+  choice that the model makes around it: the body was traced without it. A block that makes or converts DTensors (tensor
   parallelism's hooks and reads, see [Note: tensor-parallel parameters])
   stays inline too: torch cannot trace ``from_local``'s autograd function
   inside a body (it has no ``setup_context``).
@@ -302,6 +303,9 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
         # torch traces a body's backward where it traces the call, under the region: eager's
         # backward runs outside it (an attention's gradients rounded otherwise, 1e-3 relative)
         return "runs under an autocast region opened outside it"
+    if sum(n.op == "call_function" and _op_name(n) == "_sdpa_kernel" for n in _before(head)) % 2:
+        # a choice the body would not see: torch traced it with the default backends
+        return "runs under an sdpa_kernel choice made outside it"
     span = _between(head, tail)
     outside = {_storage(a) for n in block for a in n.all_input_nodes if a not in members} - {None}
 
@@ -399,6 +403,15 @@ def _under_autocast(node: fx.Node) -> bool:
             else:
                 open_regions.discard(before.args[0])
     return any(enter.args[2] for enter in open_regions)  # _enter_autocast(device, dtype, enabled, cache)
+
+
+def _before(node: fx.Node) -> list[fx.Node]:
+    nodes = []
+    for before in node.graph.nodes:
+        if before is node:
+            break
+        nodes.append(before)
+    return nodes
 
 
 def _between(first: fx.Node, last: fx.Node) -> list[fx.Node]:
