@@ -299,11 +299,12 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
     members = set(block)
     order = {n: i for i, n in enumerate(graph.nodes)}
     head, tail = _mode_span(block)
-    if _under_autocast(head):
+    earlier = _before(head)
+    if _under_autocast(earlier):
         # torch traces a body's backward where it traces the call, under the region: eager's
         # backward runs outside it (an attention's gradients rounded otherwise, 1e-3 relative)
         return "runs under an autocast region opened outside it"
-    if sum(n.op == "call_function" and _op_name(n) == "_sdpa_kernel" for n in _before(head)) % 2:
+    if _choice_open(earlier):
         # a choice the body would not see: torch traced it with the default backends
         return "runs under an sdpa_kernel choice made outside it"
     span = _between(head, tail)
@@ -363,8 +364,8 @@ def _mode_span(block: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
     members = set(block)
     head, tail = block[0], block[-1]
 
-    def choice_open() -> bool:  # an odd number of choices: one made and not undone
-        return sum(_op_name(n) == "_sdpa_kernel" for n in _between(head, tail) if _is_backend_choice(n)) % 2 == 1
+    def choice_open() -> bool:
+        return _choice_open(_between(head, tail))
 
     while True:
         after = tail.next
@@ -388,15 +389,19 @@ def _mode_span(block: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
     return head, tail
 
 
-def _under_autocast(node: fx.Node) -> bool:
-    """Whether ``node`` runs in an enabled autocast region: one the graph
-    opened before it and has not closed, or the caller's around the call."""
+def _choice_open(nodes: list[fx.Node]) -> bool:
+    """An odd number of backend choices among ``nodes``: one made and not undone."""
+    return sum(_is_backend_choice(n) and _op_name(n) == "_sdpa_kernel" for n in nodes) % 2 == 1
+
+
+def _under_autocast(earlier: list[fx.Node]) -> bool:
+    """Whether the node after ``earlier`` (the graph's nodes before it) runs
+    in an enabled autocast region: one they opened and did not close, or the
+    caller's around the call."""
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         return True
     open_regions: set[fx.Node] = set()
-    for before in node.graph.nodes:
-        if before is node:
-            break
+    for before in earlier:
         if _is_autocast(before):
             if _op_name(before) == "_enter_autocast":
                 open_regions.add(before)
