@@ -292,7 +292,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     mp_policy: MixedPrecision | MixedPrecisionPolicy | None = None,
     backend: str = "inductor",
     prefetch: int = 1,
-    unit_mb: float = 256,
+    unit_mb: float | None = None,
     units: list[nn.Module] | None = None,
     sharded_embeddings: bool = True,
     compile_blocks_once: bool = True,
@@ -345,11 +345,15 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       passes; "eager" compiles nothing and gathers on every access (debugging).
     - ``prefetch``: how many units of gathers run ahead of the unit computing
       (0: each gather waits where its weight is first used).
-    - ``unit_mb``: the size target of a unit, in MiB of gathered weights. Units
-      are formed from the first compiled graph: parameters in order of first
-      use. Each unit is one all-gather, and one reduce-scatter per layer
-      compiled once that it holds, layers (or, in a unit without such layers,
-      parameters) joined until a reduce covers a quarter of ``unit_mb``.
+    - ``unit_mb``: the most MiB of gathered weights a unit holds (a layer
+      larger than that is a unit alone). None (the default): 256 MiB, and at
+      most an eighth of the model's weights, so that the two units gathered
+      at a time (the one computing, the one prefetched) hold at most a
+      quarter of a small model. Units are formed from the first compiled
+      graph: parameters in order of first use. Each unit is one all-gather,
+      and one reduce-scatter per layer compiled once that it holds, layers
+      (or, in a unit without such layers, parameters) joined until a reduce
+      covers a quarter of ``unit_mb`` (of 256 MiB by default).
     - ``units``: modules, each of which becomes one unit (its parameters not
       in a deeper listed module), instead of forming units by size. The
       parameters of no listed module form units by size.
@@ -417,7 +421,7 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
     sharded_embeddings = opts.sharded_embeddings and opts.backend != "eager" and shard.size > 1
     count_group = topology.count_group() if sharded_embeddings else ""
     state = shard_parameters(model, plans, topology, sequenced=opts.backend == "eager",
-                             bucket_bytes=opts.unit_bytes, count_group_name=count_group)  # fmt: skip
+                             bucket_bytes=opts.bucket_bytes, count_group_name=count_group)  # fmt: skip
     if opts.mp_policy.cast_forward_inputs:
         state.input_dtype = opts.mp_policy.param_dtype
     state.check_rows = opts.check_same_init and shard.size > 1

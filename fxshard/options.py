@@ -14,6 +14,7 @@ from typing import Any
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fxshard.passes.pipeline import COMPILERS
+from fxshard.passes.units import DEFAULT_UNIT_BYTES
 from fxshard.policy import MixedPrecision
 from fxshard.runtime import compat
 
@@ -26,7 +27,7 @@ class Options:
     mp_policy: MixedPrecision
     backend: str  # one of BACKENDS
     prefetch: int
-    unit_mb: float
+    unit_mb: float | None  # None: fxshard's default (see passes/units.py:unit_limit)
     sharded_embeddings: bool
     compile_blocks_once: bool
     reduces_in_flight: int
@@ -42,8 +43,13 @@ class Options:
         return self.zero_stage == 3
 
     @property
-    def unit_bytes(self) -> int:
-        return int(self.unit_mb * 2**20)
+    def unit_bytes(self) -> int | None:
+        return None if self.unit_mb is None else int(self.unit_mb * 2**20)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """ZeRO-1's and the sequenced reads' buckets: ``unit_mb``, or 256 MiB."""
+        return DEFAULT_UNIT_BYTES if self.unit_mb is None else self.unit_bytes
 
 
 def _from_fsdp2(policy: MixedPrecisionPolicy) -> MixedPrecision:
@@ -87,8 +93,10 @@ def options(
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
-    if isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0:
-        raise ValueError(f"unit_mb must be a number > 0 (MiB of gathered weights per unit), got {unit_mb!r}")
+    if unit_mb is not None and (isinstance(unit_mb, bool) or not isinstance(unit_mb, (int, float)) or not unit_mb > 0):
+        raise ValueError(
+            f"unit_mb must be a number > 0 (the most MiB of gathered weights a unit holds) or None, got {unit_mb!r}"
+        )
     if isinstance(reduces_in_flight, bool) or not isinstance(reduces_in_flight, int) or reduces_in_flight < 1:
         raise ValueError(
             f"reduces_in_flight must be an int >= 1 (reduce-scatters running at once), got {reduces_in_flight!r}"

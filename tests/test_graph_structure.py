@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -94,7 +95,8 @@ def test_kept_unit_saves_its_small_members_as_copies(fake_pg):
     unit alive until the norm's gradient, after the unit's reduce input was
     built (1 GiB at the 8B benchmark's peak)."""
     model = models.TinyLlama(tie=False)
-    record = _train_once(model, unit_mb=0.003)
+    kept = sum(p.numel() * p.element_size() for p in (model.norm.weight, model.output.weight))
+    record = _train_once(model, unit_mb=kept / 2**20)  # the two fit one unit
     last = model.fxshard_plan.units.units[-1]
     assert last.names == ("norm.weight", "output.weight")
     fw = record.forward
@@ -110,11 +112,11 @@ def test_kept_unit_saves_its_small_members_as_copies(fake_pg):
 
 
 def test_one_collective_per_unit(fake_pg):
-    """With 256 MiB units (the default) and flat graphs the tiny model is one
-    unit: one all-gather in forward, kept for backward (it is the last unit),
-    one reduce-scatter covering every parameter."""
+    """With 256 MiB units and flat graphs the tiny model is one unit: one
+    all-gather in forward, kept for backward (it is the last unit), one
+    reduce-scatter covering every parameter."""
     model = models.TinyLlama()
-    record = _train_once(model, **FLAT)
+    record = _train_once(model, unit_mb=256, **FLAT)
     units = model.fxshard_plan.units
     assert len(units.units) == 1 and len(units.unit_of) == len(model.fxshard_plan.params)
     assert len(_nodes(record.forward, AG)) == 1 and len(_nodes(record.backward, AG)) == 0
@@ -523,9 +525,13 @@ def test_units_follow_first_use_and_size_target(fake_pg):
     torch._dynamo.reset()
     model = models.TinyLlama(layers=1)
     _train_once(model, unit_mb=0.003, **FLAT)
-    sizes = [u.gather_nbytes() for u in model.fxshard_plan.units.units]
-    assert len(sizes) > 2 and all(s >= 0.003 * 2**20 for s in sizes[:-1])
-    assert [n for u in model.fxshard_plan.units.units for n in u.names] == first_use
+    units = model.fxshard_plan.units.units
+    sizes = [[math.prod(m.param.shape) * m.param.gather_dtype.itemsize for m in u.members] for u in units]
+    most = int(0.003 * 2**20)
+    # At most unit_mb (a larger parameter alone), and full: the next unit's first member did not fit.
+    assert len(units) > 2 and all(sum(s) <= most or len(s) == 1 for s in sizes)
+    assert all(sum(a) + b[0] > most for a, b in zip(sizes, sizes[1:]))
+    assert [n for u in units for n in u.names] == first_use
 
 
 # 1 (the default) and 3 by default; 2 under [Note: full_cpu].
@@ -854,7 +860,7 @@ def test_reduce_input_rows_are_never_padded(fake_pg, monkeypatch):
     monkeypatch.setattr(Units, "reduce_start",
                         lambda self, u, m, inp: seen.append((inp.shape, inp.stride())) or start(self, u, m, inp))  # fmt: skip
     model = nn.Linear(37, 123)  # one unit of 31 x 37 + 31 = 1178 fp32 elements per rank: Inductor pads to 1184
-    fxshard.compile(model, backend="inductor")
+    fxshard.compile(model, backend="inductor", unit_mb=256)
     model(torch.randn(2, 37)).sum().backward()
     assert seen == [((4, 1184), (1184, 1))], seen
 
@@ -890,18 +896,49 @@ def test_alike_blocks_compile_once(fake_pg):
 
 
 def test_blocks_join_into_units_of_unit_mb(fake_pg):
-    """Consecutive outlined blocks fill units of about unit_mb, as other
-    parameters do: with 1.5 blocks' worth, layers 0-1 and 2-3."""
+    """Consecutive outlined blocks fill units of at most unit_mb, as other
+    parameters do: with 2.5 blocks' worth, layers 0-1 and 2-3."""
     from examples.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(layers=4))
     block_mib = sum(p.numel() * p.element_size() for p in model.layers[0].parameters()) / 2**20
-    _train_once(model, compile_blocks_once=True, unit_mb=1.5 * block_mib)
+    _train_once(model, compile_blocks_once=True, unit_mb=2.5 * block_mib)
     units = model.fxshard_plan.units
     layer_units = [{units.unit_of[n][0] for n, _ in model.layers[i].named_parameters(prefix=f"layers.{i}")}
                    for i in range(4)]  # fmt: skip
     assert all(len(u) == 1 for u in layer_units)
     assert layer_units[0] == layer_units[1] != layer_units[2] == layer_units[3]
+
+
+@pytest.mark.parametrize(
+    "blocks, block_mib, unit_mb, per_unit, per_reduce",
+    [
+        (8, 75, None, [1] * 8, [1] * 8),  # torchtitan's Qwen3 debugmodel_moe: a unit per layer, as FSDP2
+        (16, 104, None, [2] * 8, [1] * 16),  # OLMoE: an eighth is 208 MiB, two layers
+        (64, 24, None, [8] * 8, [3, 3, 2] * 8),  # small layers: 192 MiB units, reduces of at least 64 MiB
+        (32, 436, None, [1] * 32, [1] * 32),  # 8B: 256 MiB is less than a layer
+        (8, 75, 256, [3, 3, 2], [1] * 8),  # the user's unit_mb: at most that, whatever the model
+        (4, 75, 50, [1] * 4, [1] * 4),  # a layer larger than unit_mb is a unit alone
+    ],
+)
+def test_default_units_hold_at_most_an_eighth_of_the_model(blocks, block_mib, unit_mb, per_unit, per_reduce):
+    """Units hold at most ``unit_mb`` (256 MiB by default) and, by default,
+    at most an eighth of the model's gathered weights, so that the two units
+    gathered at a time hold no more than a quarter of a small model. Units
+    of about 256 MiB held two units of four layers of Qwen3's 8 at the
+    backward's peak (1.11x FSDP2 + compile's on 4 x H200). A unit is full:
+    the next layer would not fit. Reduce groups stay at least a quarter of
+    256 MiB (or of ``unit_mb``): each reduce costs the host."""
+    from tests.helpers import records
+
+    cols = 4096  # fp32 rows of 16 KiB: a MiB is 64 rows
+    params = {f"l{i}": records.param(i, f"l{i}", (64 * block_mib, cols), 32 * block_mib) for i in range(blocks)}
+    names = list(params)
+    unit_bytes = None if unit_mb is None else unit_mb * 2**20
+    units = form_units(params, names, unit_bytes, blocks=[[n] for n in names])
+    assert [sum(len(group) for group in unit) for unit in units] == per_unit
+    assert [len(group) for unit in units for group in unit] == per_reduce
+    assert [p.fqn for unit in units for group in unit for p in group] == names
 
 
 def test_a_unit_of_blocks_reduces_each_block_after_its_backward(fake_pg, monkeypatch):
@@ -949,13 +986,13 @@ def test_a_unit_of_blocks_reduces_each_block_after_its_backward(fake_pg, monkeyp
                 assert pos[reduce] < pos[calls[last + 1]]
         return layers
 
-    # 3.5 layers: the unit closes with the fourth, and each layer is over a quarter of it.
-    unit, record = train(3.5 * layer_mib())
+    # 4 layers: the unit holds them all, and each layer is a quarter of it.
+    unit, record = train(4 * layer_mib())
     assert len(unit.reduce_groups) == 4 and "4 reduces" in record.summary()
     assert layers_per_reduce(unit, record) == [{"3"}, {"2"}, {"1"}, {"0"}]
     unit, halves = train(8 * layer_mib())  # a quarter is two layers: a reduce per two
     assert layers_per_reduce(unit, halves) == [{"2", "3"}, {"0", "1"}]
-    unit, whole = train(3.5 * layer_mib(), one_reduce_per_unit=True)
+    unit, whole = train(4 * layer_mib(), one_reduce_per_unit=True)
     assert layers_per_reduce(unit, whole) == [{"0", "1", "2", "3"}]
     assert record.peaks["backward"].total < 0.7 * whole.peaks["backward"].total
 

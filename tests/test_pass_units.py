@@ -367,13 +367,14 @@ def _llama_blocks(layers: int, dim: int, hidden: int, experts: int = 0) -> tuple
 def test_the_benchmark_models_reduce_counts():
     """A count that cannot be noisy, for [Note: a reduce per block]: a
     reduce per block on the 375M model (24 MiB blocks) made its host-bound
-    step slower; blocks under a quarter of ``unit_mb`` are reduced together,
-    and the large blocks of the 1B model and OLMoE one by one."""
-    unit_bytes = 256 * 2**20  # the default unit_mb
-    for model, shape, units, reduces in (("375m", (24, 1024, 2816), 3, 9), ("1b", (16, 2048, 5632), 6, 16),
-                                         ("olmoe", (16, 1024, 512, 32), 6, 16)):  # fmt: skip
+    step slower; blocks under a quarter of 256 MiB are reduced together,
+    and the large blocks of the 1B model and OLMoE one by one. By default a
+    unit holds an eighth of these models at most: three 375M blocks, two
+    1B or OLMoE blocks."""
+    for model, shape, units, reduces in (("375m", (24, 1024, 2816), 8, 8), ("1b", (16, 2048, 5632), 8, 16),
+                                         ("olmoe", (16, 1024, 512, 32), 8, 16)):  # fmt: skip
         params, blocks, names = _llama_blocks(*shape)
-        formed = form_units(params, names, unit_bytes, blocks=blocks)
+        formed = form_units(params, names, None, blocks=blocks)  # the default unit_mb
         assert (len(formed), sum(map(len, formed))) == (units, reduces), model
 
 

@@ -211,8 +211,9 @@ def test_one_rank_cuda_graph_refuses(one_rank):
 def test_tp_ranks_form_the_same_units():
     """Uneven TP pieces (66 and 65 rows of a vocab of 131) count alike, so
     both TP ranks close a unit (and its reduce groups, of a quarter of the
-    unit's size) at the same parameter: with a unit of 4200 bytes, the
-    66-row piece alone (4224 bytes) would fill one."""
+    unit's size) at the same parameter: in a unit of at most 5230 bytes,
+    the embedding's share (4192 bytes) and ``w`` (1024) fit, where the
+    66-row piece counted as itself (4224) would leave ``w`` out."""
     from fxshard.passes.units import form_units
     from fxshard.runtime.plans import Param
     from fxshard.runtime.tensor_parallel import TPLayout
@@ -224,5 +225,5 @@ def test_tp_ranks_form_the_same_units():
         embed = records.param(0, "embed", (rows, 16), -(-rows // 2))
         embed = Param(0, dataclasses.replace(embed.plan, tp=layout), embed.local_rows, embed.shard)
         params = {"embed": embed, "w": records.param(1, "w", (16, 16), 8)}
-        formed.append([[[p.fqn for p in group] for group in unit] for unit in form_units(params, ["embed", "w"], 4200)])
+        formed.append([[[p.fqn for p in group] for group in unit] for unit in form_units(params, ["embed", "w"], 5230)])
     assert formed[0] == formed[1] == [[["embed"], ["w"]]], formed

@@ -31,8 +31,8 @@ which Inductor may reuse for another value. Without sync
 (``set_requires_gradient_sync(False)``) the gradients go to the model's
 gradient store, as other reads' do (see [Note: accumulation without
 sync] in fxshard/runtime/ops.py). The gathers are coalesced: one
-collective per run of parameters of one dtype, up to ``unit_mb`` of full
-values. A model on the sequenced path (graph breaks) gathers on every
+collective per run of parameters of one dtype, up to ``unit_mb`` (256 MiB
+by default) of full values. A model on the sequenced path (graph breaks) gathers on every
 call, as at the other stages.
 """
 

@@ -84,7 +84,7 @@ class BackendSpec:
     world_size: int
     group_name: str
     debug_dir: str | None
-    unit_bytes: int = 256 * 2**20  # prefetch units: about this many bytes of gathered weights
+    unit_bytes: int | None = None  # the user's unit_mb, in bytes; None: the default (units.py:unit_limit)
     prefetch: int = 1  # units gathered ahead of the one computing; 0 waits in place
     # Embedding lookups read only the rank's rows (see [Note: sharded lookups]);
     # False gathers embedding tables like any weight.

@@ -8,7 +8,8 @@ gather. This pass moves collectives, never compute:
 - Units. Each bucketed unit gather (``fxshard::unit_gather``, one per unit
   of ``runtime/units.py``) is a schedule unit of its own. Per-parameter
   gathers left by ``lower_collectives`` are grouped, in the order of their
-  waits (the order of first use), into units of about ``unit_bytes``. Both
+  waits (the order of first use), into units of about ``unit_bytes`` (256
+  MiB where the user gave no ``unit_mb``). Both
   follow from the graph alone, so they are the same on every rank.
 - Prefetch. Unit ``u``'s all-gathers (with the casts and pads that feed them,
   which read only graph inputs) move to just before the first wait of unit
@@ -54,6 +55,7 @@ from fxshard.passes.bucket import NBYTES
 from fxshard.passes.lower import LOWERED, REPLICAS
 from fxshard.passes.markers import nbytes
 from fxshard.passes.runner import Recorded
+from fxshard.passes.units import DEFAULT_UNIT_BYTES
 from fxshard.runtime.units import (
     UNIT_GATHER,
     UNIT_GATHER_WAIT,
@@ -140,7 +142,10 @@ def _input_chain(node: fx.Node) -> list[fx.Node] | None:
     return sorted(found, key=order.__getitem__)
 
 
-def schedule_collectives(graph: fx.Graph, unit_bytes: int, prefetch: int, max_reduces_in_flight: int) -> Schedule:
+def schedule_collectives(
+    graph: fx.Graph, unit_bytes: int | None, prefetch: int, max_reduces_in_flight: int
+) -> Schedule:
+    unit_bytes = unit_bytes or DEFAULT_UNIT_BYTES
     gathers = [n for n in graph.nodes if _is_lowered(n, _ALL_GATHER, UNIT_GATHER)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     gathers.sort(key=lambda g: order[_wait_of(g)])
@@ -283,7 +288,7 @@ def schedule_collectives_pass(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     *,
-    unit_bytes: int,
+    unit_bytes: int | None,
     prefetch: int,
     max_reduces_in_flight: int = 1,
 ) -> Recorded:

@@ -8,11 +8,31 @@ from collections.abc import Mapping, Sequence
 
 from fxshard.runtime.plans import Param
 
+DEFAULT_UNIT_BYTES = 256 * 2**20
+MODEL_SHARE = 8  # by default a unit holds at most this share of the model's gathered weights
+
+
+def unit_limit(params: Mapping[str, Param], unit_bytes: int | None) -> int:
+    """The most gathered bytes a unit holds (a block larger than that is a
+    unit alone): ``unit_bytes`` where the user gave it; by default 256 MiB
+    and at most an eighth of the model's gathered weights.
+
+    Two units are gathered at a time (the one computing and the one
+    prefetched) where FSDP2 holds two layers. Units of 256 MiB held most of
+    a small model: torchtitan's Qwen3 ``debugmodel_moe`` (8 layers of 75 MiB)
+    made two units of four layers, and at 4 ranks its peak was 1.11x FSDP2 +
+    compile's. An eighth bounds what two units hold to a quarter of the model
+    and, where layers are large against that, to two layers, as under FSDP2.
+    """
+    if unit_bytes is not None:
+        return unit_bytes
+    return min(DEFAULT_UNIT_BYTES, sum(_gathered_bytes([p]) for p in params.values()) // MODEL_SHARE)
+
 
 def form_units(
     params: Mapping[str, Param],
     first_use: Sequence[str],
-    unit_bytes: int,
+    unit_bytes: int | None,
     explicit: Sequence[Sequence[str]] = (),
     blocks: Sequence[Sequence[str]] = (),
 ) -> list[list[list[Param]]]:
@@ -24,15 +44,16 @@ def form_units(
     dtypes differ), members in first-use order; then ``blocks``, the weights
     of each outlined block (see [Note: outlined blocks]), less what the user
     listed: a block's call needs all of them at once, so a block is never
-    split, and consecutive blocks join into units of about ``unit_bytes``.
-    The rest, in first-use order, fill units of about ``unit_bytes`` of
-    gathered weights, each within a run of first uses that no unit above
+    split, and consecutive blocks join into units of at most
+    ``unit_limit`` bytes of gathered weights (a larger block alone). The
+    rest, in first-use order, fill units of the same size, each within a run of first uses that no unit above
     interrupts: an embedding read first and an output projection read last
     are two units, not one held gathered through every block between them.
     A unit holds one dtype combination. Parameters the graph never reads
     get no unit. Units are in first-use order.
 
-    A unit reduces in groups of at least a quarter of ``unit_bytes``: a
+    A unit reduces in groups of at least a quarter of ``unit_bytes`` (of
+    256 MiB by default, whatever the limit: each reduce costs the host): a
     unit of blocks its consecutive blocks (a group per block where blocks
     are that large), the rest's units their consecutive parameters in
     first-use order; the user's units in one group (see [Note: a reduce per
@@ -47,12 +68,12 @@ def form_units(
         listed.update(group)
         return _split_by_dtype([params[n] for n in members])
 
+    most, least = unit_limit(params, unit_bytes), (unit_bytes or DEFAULT_UNIT_BYTES) // 4
     units = [[infos] for group in explicit for infos in take(group)]
     whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
-    units.extend(_reduce_groups(unit, unit_bytes // 4)
-                 for unit in _fill(sorted(whole, key=lambda g: order[g[0].fqn]), unit_bytes))  # fmt: skip
+    units.extend(_reduce_groups(unit, least) for unit in _fill(sorted(whole, key=lambda g: order[g[0].fqn]), most))
     for run in _runs([n for n in dict.fromkeys(first_use) if n in params], listed):
-        units.extend(_reduce_groups(unit, unit_bytes // 4) for unit in _fill([[params[n]] for n in run], unit_bytes))
+        units.extend(_reduce_groups(unit, least) for unit in _fill([[params[n]] for n in run], most))
     units.sort(key=lambda unit: order[unit[0][0].fqn])
     return units
 
@@ -78,15 +99,16 @@ def _gathered_bytes(infos: Sequence[Param]) -> int:
                * i.gather_dtype.itemsize for i in infos)  # fmt: skip
 
 
-def _fill(blocks: list[list[Param]], unit_bytes: int) -> list[list[list[Param]]]:
+def _fill(blocks: list[list[Param]], most: int) -> list[list[list[Param]]]:
     """Consecutive blocks (each never split; a lone parameter is a block of
-    one) joined into units of about ``unit_bytes``, each unit as its blocks:
-    a unit is closed once it holds ``unit_bytes`` or the next block's dtypes
-    differ."""
+    one) joined into units of at most ``most`` bytes, each unit as its
+    blocks: a block joins the last unit where both fit in ``most`` and
+    their dtypes agree, else starts one (alone where it is larger)."""
     units: list[list[list[Param]]] = []
     for block in blocks:
         last = units[-1] if units else None
-        if last and sum(map(_gathered_bytes, last)) < unit_bytes and _dtype_key(last[0][0]) == _dtype_key(block[0]):
+        if (last and _dtype_key(last[0][0]) == _dtype_key(block[0])
+                and sum(map(_gathered_bytes, [*last, block])) <= most):  # fmt: skip
             last.append(list(block))
         else:
             units.append([list(block)])

@@ -31,7 +31,7 @@ fxshard's code and docs use these words in these meanings only:
 - **unit**: sharded parameters gathered by one all-gather and reduced by one
   reduce-scatter per block they hold (one where they hold none; see [Note:
   a reduce per block]), over one flat buffer of per-rank slots, formed in order of
-  first use up to ``unit_mb`` or as listed by ``units=`` (see [Note: units
+  first use up to ``unit_mb`` (see ``passes/units.py:unit_limit``) or as listed by ``units=`` (see [Note: units
   and flat shards]). Not a module boundary: a layer is never split between
   units, but a unit may hold several layers. ZeRO-1's units only reduce:
   their parameters' copies stay gathered (see [Note: ZeRO-1]).
@@ -44,7 +44,8 @@ fxshard's code and docs use these words in these meanings only:
   (reduce), ACCUMULATE (keep unreduced), FLUSH (reduce with what was kept)
   (see [Note: accumulation without sync]).
 - **bucket**: parameters that one collective moves outside a unit: ZeRO-1's
-  gathers of its copies, in runs of one dtype up to ``unit_mb``.
+  gathers of its copies, in runs of one dtype up to ``unit_mb`` (256 MiB
+  by default).
   (``passes/bucket.py`` is named for what it does to a unit's markers: it
   buckets them into the unit's one gather and its reduces.)
 
