@@ -285,10 +285,12 @@ def merge(paths: list[str]) -> dict:
             if run["meta"].get(key) != runs[0]["meta"].get(key):
                 raise SystemExit(f"{key} differs between runs ({runs[0]['meta'].get(key)}, {run['meta'].get(key)})")
     commits = list(dict.fromkeys(row["commit"][:7] for row in rows))
+    dates = sorted({row["date"] for row in rows})  # the first run's date alone hid when later rows ran
+    date = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     # Each run once, named by commit and file (a file name can come back from another session's call).
     merged = list(dict.fromkeys(m for p, run in zip(paths, runs)
                                 for m in run["meta"].get("merged") or [f"{run['meta']['commit'][:7]}:{p}"]))  # fmt: skip
-    return {"meta": {**runs[0]["meta"], "commit": ", ".join(commits), "merged": merged}, "rows": rows}
+    return {"meta": {**runs[0]["meta"], "commit": ", ".join(commits), "date": date, "merged": merged}, "rows": rows}
 
 
 def markdown(data: dict) -> str:

@@ -347,9 +347,9 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       (0: each gather waits where its weight is first used).
     - ``unit_mb``: the most MiB of gathered weights a unit holds (a layer
       larger than that is a unit alone). None (the default): 256 MiB, and at
-      most an eighth of the model's weights, so that the two units gathered
-      at a time (the one computing, the one prefetched) hold at most a
-      quarter of a small model. Units are formed from the first compiled
+      most an eighth of the model's weights where that is over 64 MiB, so
+      that the two units gathered at a time (the one computing, the one
+      prefetched) hold at most a quarter of a small model. Units are formed from the first compiled
       graph: parameters in order of first use. Each unit is one all-gather,
       and one reduce-scatter per layer compiled once that it holds, layers
       (or, in a unit without such layers, parameters) joined until a reduce

@@ -293,23 +293,25 @@ def test_merged_runs_keep_each_rows_commit_and_baseline(tmp_path):
     """Rows from device calls at different commits, each against its own
     baseline (or none), merged twice: each row still names what it compared."""
 
-    def run(commit: str, baseline: str | None, name: str, path: str) -> str:
+    def run(commit: str, baseline: str | None, name: str, path: str, date: str = "2026-11-26") -> str:
         results = {"fsdp2_compile": _result(100.0, 4.0), "fxshard": _result(80.0, 3.9)}
         if baseline:
             results[f"fxshard@{baseline[:7]}"] = _result(90.0, 3.9)
-        meta = dict(commit=commit, baseline=baseline, date="2026-11-26", gpus=4, device="H100", torch="2.11")
+        meta = dict(commit=commit, baseline=baseline, date=date, gpus=4, device="H100", torch="2.11")
         (tmp_path / path).write_text(json.dumps(dict(meta=meta, rows=[dict(row=vars(matrix.Row(name, "1b", 4)),
                                                                            results=results)])))  # fmt: skip
         return str(tmp_path / path)
 
     first = matrix.merge([run("a" * 40, "b" * 40, "one", "1.json"), run("c" * 40, None, "two", "2.json")])
     (tmp_path / "m.json").write_text(json.dumps(first))
-    data = matrix.merge([str(tmp_path / "m.json"), run("d" * 40, "e" * 40, "three", "3.json")])
+    assert first["meta"]["date"] == "2026-11-26"
+    data = matrix.merge([str(tmp_path / "m.json"), run("d" * 40, "e" * 40, "three", "3.json", "2026-11-28")])
     one, two, three = matrix.markdown(data).splitlines()[-3:]
     assert one.startswith("| one (aaaaaaa vs bbbbbbb) |") and "| 0.89x |" in one
     assert two.startswith("| two (ccccccc) |") and "| - | - |" in two
     assert three.startswith("| three (ddddddd vs eeeeeee) |")
     assert data["meta"]["commit"] == "aaaaaaa, ccccccc, ddddddd" and len(data["meta"]["merged"]) == 3
+    assert data["meta"]["date"] == "2026-11-26 to 2026-11-28" and "; 2026-11-26 to 2026-11-28." in matrix.markdown(data)
 
     # Row "two" measured again, at another commit: its new figures, in its place.
     again = matrix.merge([str(tmp_path / "m.json"), run("f" * 40, None, "two", "4.json")])

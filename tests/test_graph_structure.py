@@ -112,11 +112,12 @@ def test_kept_unit_saves_its_small_members_as_copies(fake_pg):
 
 
 def test_one_collective_per_unit(fake_pg):
-    """With 256 MiB units and flat graphs the tiny model is one unit: one
-    all-gather in forward, kept for backward (it is the last unit), one
-    reduce-scatter covering every parameter."""
+    """With the default units (64 MiB for a model this small) and flat
+    graphs the tiny model is one unit: one all-gather in forward, kept for
+    backward (it is the last unit), one reduce-scatter covering every
+    parameter."""
     model = models.TinyLlama()
-    record = _train_once(model, unit_mb=256, **FLAT)
+    record = _train_once(model, **FLAT)
     units = model.fxshard_plan.units
     assert len(units.units) == 1 and len(units.unit_of) == len(model.fxshard_plan.params)
     assert len(_nodes(record.forward, AG)) == 1 and len(_nodes(record.backward, AG)) == 0
@@ -860,7 +861,7 @@ def test_reduce_input_rows_are_never_padded(fake_pg, monkeypatch):
     monkeypatch.setattr(Units, "reduce_start",
                         lambda self, u, m, inp: seen.append((inp.shape, inp.stride())) or start(self, u, m, inp))  # fmt: skip
     model = nn.Linear(37, 123)  # one unit of 31 x 37 + 31 = 1178 fp32 elements per rank: Inductor pads to 1184
-    fxshard.compile(model, backend="inductor", unit_mb=256)
+    fxshard.compile(model, backend="inductor")
     model(torch.randn(2, 37)).sum().backward()
     assert seen == [((4, 1184), (1184, 1))], seen
 
@@ -917,18 +918,20 @@ def test_blocks_join_into_units_of_unit_mb(fake_pg):
         (16, 104, None, [2] * 8, [1] * 16),  # OLMoE: an eighth is 208 MiB, two layers
         (64, 24, None, [8] * 8, [3, 3, 2] * 8),  # small layers: 192 MiB units, reduces of at least 64 MiB
         (32, 436, None, [1] * 32, [1] * 32),  # 8B: 256 MiB is less than a layer
+        (6, 10, None, [6], [6]),  # DeepSeek-V3's debugmodel: an eighth is under 64 MiB, so units hold 64
         (8, 75, 256, [3, 3, 2], [1] * 8),  # the user's unit_mb: at most that, whatever the model
         (4, 75, 50, [1] * 4, [1] * 4),  # a layer larger than unit_mb is a unit alone
     ],
 )
 def test_default_units_hold_at_most_an_eighth_of_the_model(blocks, block_mib, unit_mb, per_unit, per_reduce):
     """Units hold at most ``unit_mb`` (256 MiB by default) and, by default,
-    at most an eighth of the model's gathered weights, so that the two units
-    gathered at a time hold no more than a quarter of a small model. Units
-    of about 256 MiB held two units of four layers of Qwen3's 8 at the
-    backward's peak (1.11x FSDP2 + compile's on 4 x H200). A unit is full:
-    the next layer would not fit. Reduce groups stay at least a quarter of
-    256 MiB (or of ``unit_mb``): each reduce costs the host."""
+    at most an eighth of the model's gathered weights where that is over 64
+    MiB, so that the two units gathered at a time hold no more than a
+    quarter of a small model. Units of about 256 MiB held two units of four
+    layers of Qwen3's 8 at the backward's peak (1.11x FSDP2 + compile's on
+    4 x H200). A unit is full: the next layer would not fit. Reduce groups
+    stay at least a quarter of 256 MiB (or of ``unit_mb``): each reduce, as
+    each gather, costs the host."""
     from tests.helpers import records
 
     cols = 4096  # fp32 rows of 16 KiB: a MiB is 64 rows

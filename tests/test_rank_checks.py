@@ -313,8 +313,7 @@ def hsdp_read_on_one_replica(rank: int, world_size: int) -> None:
     os.environ["FXSHARD_CHECK_COLLECTIVES"] = "1"
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
-    model = fxshard.compile(model, mesh, backend="aot_eager", unit_mb=256)  # one unit
+    model = fxshard.compile(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), mesh, backend="aot_eager")
     model(torch.randn(3, 4)).sum().backward()
 
     def next_step() -> None:

@@ -9,24 +9,32 @@ from collections.abc import Mapping, Sequence
 from fxshard.runtime.plans import Param
 
 DEFAULT_UNIT_BYTES = 256 * 2**20
-MODEL_SHARE = 8  # by default a unit holds at most this share of the model's gathered weights
+MODEL_SHARE = 8  # by default a unit holds at most this share of the model's gathered weights...
+LEAST_LIMIT = DEFAULT_UNIT_BYTES // 4  # ...unless less than this, a reduce group's least by default
 
 
 def unit_limit(params: Mapping[str, Param], unit_bytes: int | None) -> int:
     """The most gathered bytes a unit holds (a block larger than that is a
-    unit alone): ``unit_bytes`` where the user gave it; by default 256 MiB
-    and at most an eighth of the model's gathered weights.
+    unit alone): ``unit_bytes`` where the user gave it; by default 256 MiB,
+    and at most an eighth of the model's gathered weights where that is
+    more than 64 MiB.
 
     Two units are gathered at a time (the one computing and the one
     prefetched) where FSDP2 holds two layers. Units of 256 MiB held most of
     a small model: torchtitan's Qwen3 ``debugmodel_moe`` (8 layers of 75 MiB)
     made two units of four layers, and at 4 ranks its peak was 1.11x FSDP2 +
-    compile's. An eighth bounds what two units hold to a quarter of the model
-    and, where layers are large against that, to two layers, as under FSDP2.
+    compile's (1.02x with a unit per layer). An eighth bounds what two
+    units hold to a quarter of the model and, where layers are large against
+    that, to two layers, as under FSDP2. Below 64 MiB (the least a reduce
+    group holds) a unit saves little memory and each more unit costs the
+    host a gather and its wait per call: a unit per layer of DeepSeek-V3's
+    ``debugmodel`` (10 MiB layers) saved 0.04 GiB and took about 4 ms more
+    of a 50 ms step on 4 x H200.
     """
     if unit_bytes is not None:
         return unit_bytes
-    return min(DEFAULT_UNIT_BYTES, sum(_gathered_bytes([p]) for p in params.values()) // MODEL_SHARE)
+    share = sum(_gathered_bytes([p]) for p in params.values()) // MODEL_SHARE
+    return min(DEFAULT_UNIT_BYTES, max(LEAST_LIMIT, share))
 
 
 def form_units(
@@ -68,7 +76,7 @@ def form_units(
         listed.update(group)
         return _split_by_dtype([params[n] for n in members])
 
-    most, least = unit_limit(params, unit_bytes), (unit_bytes or DEFAULT_UNIT_BYTES) // 4
+    most, least = unit_limit(params, unit_bytes), LEAST_LIMIT if unit_bytes is None else unit_bytes // 4
     units = [[infos] for group in explicit for infos in take(group)]
     whole = [infos for group in blocks for infos in take(group)]  # each block's weights, by dtype
     units.extend(_reduce_groups(unit, least) for unit in _fill(sorted(whole, key=lambda g: order[g[0].fqn]), most))
