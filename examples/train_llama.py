@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce (MixedPrecision)")
     p.add_argument("--keep-full-weights", action="store_true", help="reshard_after_forward=False")
-    p.add_argument("--unit-mb", type=float, default=256, help="size target of a unit (one all-gather each)")
+    p.add_argument("--unit-mb", type=float, default=None, help="the most MiB of gathered weights a unit holds")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead of the one computing")
     p.add_argument("--debug-dir", default=None, help="dump the rewritten graphs here")
     return p.parse_args()
