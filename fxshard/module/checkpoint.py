@@ -79,15 +79,17 @@ def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: st
     for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
-        if not isinstance(param, ShardParameter) or not _is_full(value, param):
+        if not isinstance(param, ShardParameter) or not isinstance(value, torch.Tensor):
             continue
-        if assign:
+        if assign:  # raised here, before torch's copy loop wraps it in text about shapes
             raise NotImplementedError(
-                f"load_state_dict(assign=True) of a full tensor ({key!r}) into a model that fxshard.compile "
-                "sharded would replace its shards; call load_state_dict without assign=True, which copies "
-                "each rank's rows into the existing shards"
+                f"load_state_dict(assign=True) into a model that fxshard.compile sharded would replace the shard "
+                f"of {key!r} with another tensor, which fxshard's graphs do not read; call load_state_dict without "
+                "assign=True, which copies into the existing shards (each rank's rows of a full tensor, a DTensor "
+                "shard as it is)"
             )
-        state_dict[key] = rows_of(value, param)
+        if _is_full(value, param):
+            state_dict[key] = rows_of(value, param)
 
 
 def _where(taken_on: Any) -> str:
