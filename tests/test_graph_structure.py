@@ -1283,6 +1283,76 @@ def test_blocks_in_other_modes(no_dist, tmp_path, case):
     assert "_softmax" in joint and "flash_attention" not in joint
 
 
+class _AverageLayer(nn.Module):
+    """A running average of its output in a buffer, written three ways."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 8), how
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.how == "in_no_grad":  # the usual spelling
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(y.mean(0), alpha=0.1)
+        elif self.how == "read_then_copy":
+            new = self.mean * 0.9 + y.mean(0).detach() * 0.1
+            with torch.no_grad():
+                self.mean.copy_(new)
+        else:  # "lerp": what the first case's reason suggests
+            value = y.mean(0).detach()
+            with torch.no_grad():
+                self.mean.lerp_(value, 0.1)
+        return torch.relu(y)
+
+
+class _AverageStack(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_AverageLayer(how) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["in_no_grad", "read_then_copy", "lerp"])
+def test_blocks_keeping_a_running_average(no_dist, how):
+    """A layer that writes a running average to its buffer under no_grad.
+    Where the buffer is computed under no_grad, the layer stays inline and
+    says how to write it to be compiled once; written with one lerp_, it is.
+    A layer that reads the buffer and then writes it stays inline: moved
+    after the call, the write changed an input that the call saves for its
+    backward, and the backward failed ('modified by an inplace operation').
+    Each trains as in eager."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    ref, model = _AverageStack(how), _AverageStack(how)
+    model.load_state_dict(ref.state_dict())
+    fxshard.compile(model, backend="aot_eager")
+    for _ in range(2):
+        x = torch.randn(16, 8)
+        out, ref_out = model(x), ref(x)
+        torch.testing.assert_close(out, ref_out)
+        out.square().sum().backward(), ref_out.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    for layer, ref_layer in zip(model.layers, ref.layers):
+        torch.testing.assert_close(layer.mean, ref_layer.mean, rtol=0, atol=0)
+    outline = model.fxshard_plan.graphs[0].outline
+    names = ["layers.0", "layers.1", "layers.2"]
+    if how == "lerp":
+        assert outline.bodies == [names], outline.format()
+    else:
+        why = {"in_no_grad": "(mul_); to compile the layer once", "read_then_copy": "copy_: writes an input in "
+               "place that the layer also reads"}[how]  # fmt: skip
+        assert outline.bodies == [] and all(why in outline.why[n] for n in names), outline.why
+
+
 class _AttentionStack(nn.Module):
     def __init__(self) -> None:
         super().__init__()

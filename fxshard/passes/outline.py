@@ -31,8 +31,9 @@ it once; the calls take the layer's gathered weights as inputs.
   ``add_``-ed to a buffer under ``no_grad``, attention with cuDNN first). An
   autocast region or a backend choice that opens and closes within the
   layer joins the block, and the body replays it; a write to a buffer that
-  the layer does not read after it moves after the call, with the grad-mode
-  changes around it. Neither may move ahead of the block: a backend choice
+  the layer does not otherwise read moves after the call, with the grad-mode
+  changes around it (read before, the buffer is an input that the call saves
+  for its backward, and the moved write failed that backward). Neither may move ahead of the block: a backend choice
   moved there was undone before the body was traced, and torchtitan's
   layers ran flash attention instead of cuDNN's. A layer inside an autocast
   region opened outside it (by the model or by the caller) stays inline:
@@ -290,10 +291,11 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
       move ahead of the block, out of the region: modes do not touch them);
     - an in-place write to storage the block does not own (a buffer), whose
       result nothing reads, moves after the block's last node, with the
-      grad-mode changes that enclose only such writes, where nothing after
-      it in the span reads that storage and the mode after the block is the
-      mode those changes restore: the body then writes none of its inputs,
-      and the write stores the same values, later.
+      grad-mode changes that enclose only such writes, where nothing else in
+      the block and nothing after it in the span reads that storage and the
+      mode after the block is the mode those changes restore: the body then
+      writes none of its inputs, and the write stores the same values,
+      later.
 
     Otherwise nothing moves, and it says why the block stays inline."""
     members = set(block)
@@ -323,8 +325,14 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
         pairs = list(zip(modes[::2], modes[1::2]))
         if len(modes) % 2 or any(_grad_mode_before(on) != off.args[0] for on, off in pairs):
             return "_set_grad_enabled: a grad-mode change that the block does not undo"
-        if not all(n in moved for on, off in pairs for n in span[span.index(on) + 1 : span.index(off)]):
-            return "_set_grad_enabled: a grad-mode change around more than writes to buffers"
+        stray = next((n for on, off in pairs for n in span[span.index(on) + 1 : span.index(off)] if n not in moved),
+                     None)  # fmt: skip
+        if stray is not None:
+            return (
+                f"_set_grad_enabled: a grad-mode change around more than writes to buffers ({_op_name(stray)}); "
+                "to compile the layer once, compute the values before torch.no_grad() and write each buffer with "
+                "one in-place op whose result is not used (buf.lerp_(value, weight) for an average)"
+            )
         moved = sorted([*moved, *modes], key=order.__getitem__)
     for node in moved:
         if node in members:
@@ -332,6 +340,11 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
             later = [a for n in span[span.index(node) + 1 :] if n not in moved for a in n.all_input_nodes]
             if any(s is not None and s == storage for s in map(_storage, later)):
                 return f"{_op_name(node)}: writes an input in place, and reads it after"
+            # The call saves the body's inputs for its backward: a write after it changes a saved one,
+            # and autograd refuses the backward (modified by an inplace operation).
+            kept = [a for n in block if n not in moved for a in n.all_input_nodes]
+            if any(s is not None and s == storage for s in map(_storage, kept)):
+                return f"{_op_name(node)}: writes an input in place that the layer also reads"
     regions = [n for n in span if _is_scoped(n)]
     if regions:
         scopes = _scopes(regions)
