@@ -1239,6 +1239,18 @@ class _ModeStack(nn.Module):
         return x.float()
 
 
+def _trains_as_eager(model: nn.Module, ref: nn.Module) -> None:
+    """Two steps of a compiled ``model`` (world size 1) and its eager ``ref``
+    on (16, 8) inputs: the same outputs and accumulated gradients."""
+    for _ in range(2):
+        x = torch.randn(16, 8)
+        out, ref_out = model(x), ref(x)
+        torch.testing.assert_close(out, ref_out)
+        out.square().sum().backward(), ref_out.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
 @pytest.mark.parametrize("case", ["count_after", "count_read", "under_autocast"])
 def test_blocks_in_other_modes(no_dist, tmp_path, case):
     """A layer with an autocast region, a choice of attention kernel and a
@@ -1259,13 +1271,7 @@ def test_blocks_in_other_modes(no_dist, tmp_path, case):
     model = _ModeStack(read_count, case == "under_autocast")
     model.load_state_dict(ref.state_dict())
     fxshard.compile(model, backend="aot_eager", debug_dir=tmp_path)
-    for _ in range(2):
-        x = torch.randn(16, 8)
-        out, ref_out = model(x), ref(x)
-        torch.testing.assert_close(out, ref_out)
-        out.square().sum().backward(), ref_out.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    _trains_as_eager(model, ref)
     for layer, ref_layer in zip(model.layers, ref.layers):
         assert layer.counts.sum() == 32, layer.counts  # 16 tokens counted twice, not more
         torch.testing.assert_close(layer.counts, ref_layer.counts, rtol=0, atol=0)
@@ -1334,13 +1340,7 @@ def test_blocks_keeping_a_running_average(no_dist, how):
     ref, model = _AverageStack(how), _AverageStack(how)
     model.load_state_dict(ref.state_dict())
     fxshard.compile(model, backend="aot_eager")
-    for _ in range(2):
-        x = torch.randn(16, 8)
-        out, ref_out = model(x), ref(x)
-        torch.testing.assert_close(out, ref_out)
-        out.square().sum().backward(), ref_out.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    _trains_as_eager(model, ref)
     for layer, ref_layer in zip(model.layers, ref.layers):
         torch.testing.assert_close(layer.mean, ref_layer.mean, rtol=0, atol=0)
     outline = model.fxshard_plan.graphs[0].outline
