@@ -145,7 +145,7 @@ def _input_chain(node: fx.Node) -> list[fx.Node] | None:
 def schedule_collectives(
     graph: fx.Graph, unit_bytes: int | None, prefetch: int, max_reduces_in_flight: int
 ) -> Schedule:
-    unit_bytes = unit_bytes or DEFAULT_UNIT_BYTES
+    unit_bytes = DEFAULT_UNIT_BYTES if unit_bytes is None else unit_bytes
     gathers = [n for n in graph.nodes if _is_lowered(n, _ALL_GATHER, UNIT_GATHER)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     gathers.sort(key=lambda g: order[_wait_of(g)])
