@@ -334,16 +334,15 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
                 "one in-place op whose result is not used (buf.lerp_(value, weight) for an average)"
             )
         moved = sorted([*moved, *modes], key=order.__getitem__)
+    kept = [n for n in block if n not in moved]
     for node in moved:
         if node in members:
             storage = _storage(node.args[0])
-            later = [a for n in span[span.index(node) + 1 :] if n not in moved for a in n.all_input_nodes]
-            if any(s is not None and s == storage for s in map(_storage, later)):
+            if _reads([n for n in span[span.index(node) + 1 :] if n not in moved], storage):
                 return f"{_op_name(node)}: writes an input in place, and reads it after"
             # The call saves the body's inputs for its backward: a write after it changes a saved one,
             # and autograd refuses the backward (modified by an inplace operation).
-            kept = [a for n in block if n not in moved for a in n.all_input_nodes]
-            if any(s is not None and s == storage for s in map(_storage, kept)):
+            if _reads(kept, storage):
                 return f"{_op_name(node)}: writes an input in place that the layer also reads"
     regions = [n for n in span if _is_scoped(n)]
     if regions:
@@ -356,7 +355,6 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
             stray = next((n for n in inside if n not in members and not _is_scoped(n) and not _weight_read(n)), None)
             if stray is not None:  # it would move ahead of the block, out of the mode
                 return f"{_op_name(stray)}: code of no block under the block's {_op_name(opening)}"
-    kept = [n for n in block if n not in moved]
     if not kept or len(kept) == len(block) and not regions:
         return None
     anchor = next(n for n in reversed(span) if n not in moved)  # after every node they followed
@@ -365,6 +363,12 @@ def _settle_modes(graph: fx.Graph, block: list[fx.Node]) -> str | None:
     kept = set(kept)
     block[:] = [n for n in span if n in kept or _is_scoped(n)]
     return None
+
+
+def _reads(nodes: list[fx.Node], storage: Any) -> bool:
+    """Whether any of ``nodes`` takes an input in ``storage``."""
+    found = (_storage(a) for n in nodes for a in n.all_input_nodes)
+    return any(s is not None and s == storage for s in found)
 
 
 def _mode_span(block: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
