@@ -349,11 +349,12 @@ def compile(  # noqa: A001 - the public name, as in torch.compile
       larger than that is a unit alone). None (the default): 256 MiB, and at
       most an eighth of the model's weights where that is over 64 MiB, so
       that the two units gathered at a time (the one computing, the one
-      prefetched) hold at most a quarter of a small model. Units are formed from the first compiled
-      graph: parameters in order of first use. Each unit is one all-gather,
-      and one reduce-scatter per layer compiled once that it holds, layers
-      (or, in a unit without such layers, parameters) joined until a reduce
-      covers a quarter of ``unit_mb`` (of 256 MiB by default).
+      prefetched) hold at most a quarter of a small model. Units are formed
+      from the first compiled graph: parameters in order of first use. Each
+      unit is one all-gather, and one reduce-scatter per layer compiled once
+      that it holds, layers (or, in a unit without such layers, parameters)
+      joined until a reduce covers a quarter of ``unit_mb`` (of 256 MiB by
+      default).
     - ``units``: modules, each of which becomes one unit (its parameters not
       in a deeper listed module), instead of forming units by size. The
       parameters of no listed module form units by size.

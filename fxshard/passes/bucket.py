@@ -29,7 +29,8 @@ In a forward, backward or inference graph:
 [Note: a reduce per block]
 A unit joins consecutive blocks (layers compiled once) up to its limit
 (``unit_mb``, by default at most an eighth of the model: see
-``passes/units.py:unit_limit``), so that the host issues few gathers, the costliest runtime op per call.
+``passes/units.py:unit_limit``), so that the host issues few gathers, the
+costliest runtime op per call.
 Its reduce does not have to wait for the whole unit: each block's
 gradients are complete when that block's backward returns. Reduced as one,
 every gradient of the unit stayed alive until the last block's, beside the
@@ -45,8 +46,9 @@ Still, each reduce costs the host a collective call and its wait whatever
 its size, and a small model's step is bound by the host: a reduce per
 block of the 375M benchmark model (24 MiB blocks) made its step slower.
 So a reduce covers consecutive blocks up to at least a quarter of
-``unit_mb`` (of 256 MiB by default, whatever the unit's limit): a reduce per block where blocks are that large (OLMoE's, 1B's),
-a few per unit where they are small. Units without blocks (the rest of the
+``unit_mb`` (of 256 MiB by default, whatever the unit's limit): a reduce
+per block where blocks are that large (OLMoE's, 1B's), a few per unit
+where they are small. Units without blocks (the rest of the
 model, all of it where no layers are compiled once: torchtitan's MoE models)
 reduce their parameters in first-use order in groups of the same size,
 whose gradients also complete near one another: reduced as one, a unit of

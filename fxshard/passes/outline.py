@@ -33,8 +33,8 @@ it once; the calls take the layer's gathered weights as inputs.
   layer joins the block, and the body replays it; a write to a buffer that
   the layer does not otherwise read moves after the call, with the grad-mode
   changes around it (read before, the buffer is an input that the call saves
-  for its backward, and the moved write failed that backward). Neither may move ahead of the block: a backend choice
-  moved there was undone before the body was traced, and torchtitan's
+  for its backward, and the moved write failed that backward). Neither may
+  move ahead of the block: a backend choice moved there was undone before the body was traced, and torchtitan's
   layers ran flash attention instead of cuDNN's. A layer inside an autocast
   region opened outside it (by the model or by the caller) stays inline:
   torch traces the body's backward under the region where its call is, and
