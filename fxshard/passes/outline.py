@@ -29,20 +29,21 @@ it once; the calls take the layer's gathered weights as inputs.
   changes and ``sdpa_kernel``'s backend choices with no module, between a
   layer's nodes (torchtitan's MoE: the router under autocast, a token count
   ``add_``-ed to a buffer under ``no_grad``, attention with cuDNN first). An
-  autocast region or a backend choice that opens and closes within the
-  layer joins the block, and the body replays it; a write to a buffer that
-  the layer does not otherwise read moves after the call, with the grad-mode
+  autocast region or a backend choice that opens and closes within the layer
+  joins the block, and the body replays it; a write to a buffer that the
+  layer does not otherwise read moves after the call, with the grad-mode
   changes around it (read before, the buffer is an input that the call saves
   for its backward, and the moved write failed that backward). Neither may
-  move ahead of the block: a backend choice moved there was undone before the body was traced, and torchtitan's
-  layers ran flash attention instead of cuDNN's. A layer inside an autocast
-  region opened outside it (by the model or by the caller) stays inline:
-  torch traces the body's backward under the region where its call is, and
-  eager's backward runs outside it. So does a layer inside an ``sdpa_kernel``
-  choice that the model makes around it: the body was traced without it. A block that makes or converts DTensors (tensor
-  parallelism's hooks and reads, see [Note: tensor-parallel parameters])
-  stays inline too: torch cannot trace ``from_local``'s autograd function
-  inside a body (it has no ``setup_context``).
+  move ahead of the block: a backend choice moved there was undone before
+  the body was traced, and torchtitan's layers ran flash attention instead
+  of cuDNN's. A layer inside an autocast region opened outside it (by the
+  model or by the caller) stays inline: torch traces the body's backward
+  under the region where its call is, and eager's backward runs outside it.
+  So does a layer inside an ``sdpa_kernel`` choice that the model makes
+  around it: the body was traced without it. A block that makes or converts
+  DTensors (tensor parallelism's hooks and reads, see [Note: tensor-parallel
+  parameters]) stays inline too: torch cannot trace ``from_local``'s
+  autograd function inside a body (it has no ``setup_context``).
 - Saved weights: inside a body a weight is an input, which the body's
   partition saves for backward as an output of the forward call. The
   ``tag_unshard`` pass then routes the backward call to the outer unshard
