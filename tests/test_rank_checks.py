@@ -328,3 +328,20 @@ def hsdp_read_on_one_replica(rank: int, world_size: int) -> None:
 
 def test_debug_check_sees_the_averages_across_replicas():
     check_results(run_ranks(4, hsdp_read_on_one_replica, timeout=300))
+
+
+def test_a_failed_case_prints_its_traceback_at_once(capsys):
+    """A gate cut off by its time limit reports no results: the cause of a
+    failure on one rank (the others then wait in a collective) must already
+    be on stderr."""
+
+    def run(rank, world_size, name):
+        if name == "bad":
+            raise ValueError("the cause, on this rank only")
+
+    results = run_each(3, 4, ["good", "bad"], run)
+    err = capsys.readouterr().err
+    assert results["good"] is None and "the cause" in results["bad"]
+    assert "[rank 3/4] bad FAILED" in err
+    assert "[rank 3/4]   ValueError: the cause, on this rank only" in err
+    assert "good FAILED" not in err

@@ -745,6 +745,9 @@ def _run_one(rank: int, world_size: int, name: str) -> None:
     train_and_compare(rank, world_size, sc)
 
 
+_TAIL = 30  # traceback lines printed where a case fails
+
+
 def run_each(
     rank: int, world_size: int, names: list[str], run: Callable[[int, int, str], Any]
 ) -> dict[str, str | None]:
@@ -766,6 +769,12 @@ def run_each(
             file=sys.stderr,
             flush=True,
         )
+        if results[name] is not None:
+            # Now, not only in the results: a rank that fails mid-step leaves the
+            # others waiting in a collective, and a time limit then cuts the run
+            # off before any results are reported.
+            tail = "".join(f"[rank {rank}/{world_size}]   {line}\n" for line in results[name].splitlines()[-_TAIL:])
+            print(tail, end="", file=sys.stderr, flush=True)
         torch._dynamo.reset()
     return results
 
