@@ -158,3 +158,39 @@ def test_a_backward_through_a_gradient_raises_naming_the_cause(fake_pg):
     assert shard.grad is not None and shard.grad.requires_grad
     with pytest.raises(RuntimeError, match="double backward.*all_reduce_grad"):
         shard.grad.to_local().sum().backward()
+
+
+def _subclass_dispatches(fn) -> int:
+    """How many times ``fn()`` entered a tensor subclass's dispatch (DTensor's:
+    the profiler's ``PythonSubclass`` events), C++ fast path or Python."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "PythonSubclass")
+
+
+def test_a_step_dispatches_through_dtensor_no_more_than_plain_dtensors(fake_pg):
+    """Host time that grows with the parameters: each operation on a DTensor
+    is a subclass dispatch. The forward reads the shards with none; the
+    backward has one per gradient (autograd's ``AccumulateGrad`` detaches
+    each DTensor gradient; FSDP2, which sets ``.grad`` itself, has none);
+    the optimizer step as many as over plain DTensors of the same shapes."""
+    model, step = _llama_step()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    tokens = torch.arange(16).reshape(2, 8) * 7 % 64
+    state = {}
+    forward = _subclass_dispatches(lambda: state.setdefault("loss", lm_loss(model(tokens), tokens)))
+    backward = _subclass_dispatches(lambda: state["loss"].backward())
+    assert forward == 0, f"the forward dispatched {forward} DTensor ops"
+    assert backward == len(trained), f"the backward dispatched {backward} DTensor ops for {len(trained)} gradients"
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()  # creates the state, as the plain one's first step below does
+    plain = [torch.nn.Parameter(DTensor.from_local(p.to_local().clone(), p.device_mesh, p.placements,
+                                                   shape=p.shape, stride=p.stride())) for p in trained]  # fmt: skip
+    for q, p in zip(plain, trained):
+        q.grad = DTensor.from_local(p.grad.to_local().clone(), p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride())  # fmt: skip
+    plain_opt = torch.optim.AdamW(plain, lr=1e-3)
+    plain_opt.step()
+    ours, theirs = _subclass_dispatches(opt.step), _subclass_dispatches(plain_opt.step)
+    assert theirs > 0 and ours == theirs, f"optimizer step: {ours} DTensor dispatches, plain DTensors {theirs}"
