@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
+from tests.helpers.versions import TORCH_BEFORE_2_13
 
 # What custom_op runs around an op's function on every call.
 _WRAPPERS = ("torch/_library/custom_ops.py", "torch/_library/autograd.py")
@@ -144,6 +145,11 @@ def test_gradients_become_dtensors_without_from_local(fake_pg):
     step()
 
 
+@pytest.mark.xfail(
+    TORCH_BEFORE_2_13, strict=True,
+    reason="torch before 2.13 (seen on 2.11): the backward through the gradient does not reach the op's formula, and "
+    "nothing raises; docs/limits.md",
+)  # fmt: skip
 def test_a_backward_through_a_gradient_raises_naming_the_cause(fake_pg):
     """The runtime ops have no autograd kernel. A gradient taken with
     ``create_graph=True`` still works, and a backward through it raises,

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
 from fxshard.runtime import compat
+from tests.helpers.versions import TORCH_BEFORE_2_13
 
 # (name, optimizer class, keyword arguments): what users build, torch's defaults first.
 OPTIMIZERS: list[tuple[str, type, dict]] = [
@@ -153,6 +154,11 @@ def test_clip_grad_norm_issues_the_ops_of_plain_dtensors(fake_pg):
     assert torch.equal(norms[0].full_tensor(), norms[1].full_tensor())
 
 
+@pytest.mark.xfail(
+    TORCH_BEFORE_2_13, strict=True,
+    reason="torch before 2.13 (seen on 2.11): dynamo cannot fake a DTensor subclass whose local tensor is a view "
+    "(an AssertionError '1 != 2' in meta_utils); docs/limits.md",
+)  # fmt: skip
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_optimizer_step_over_shards(fake_pg, backend):
     """``torch.compile`` of a step that takes the shards as inputs: AOTAutograd
