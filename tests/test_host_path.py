@@ -20,6 +20,7 @@ time would be noise in CI.
 from __future__ import annotations
 
 import collections
+import copy
 import sys
 
 import pytest
@@ -177,9 +178,11 @@ def _subclass_dispatches(fn) -> int:
 def test_a_step_dispatches_through_dtensor_no_more_than_plain_dtensors(fake_pg):
     """Host time that grows with the parameters: each operation on a DTensor
     is a subclass dispatch. The forward reads the shards with none; the
-    backward has one per gradient (autograd's ``AccumulateGrad`` detaches
-    each DTensor gradient; FSDP2, which sets ``.grad`` itself, has none);
-    the optimizer step as many as over plain DTensors of the same shapes."""
+    backward none either, setting ``.grad`` and adding to it (autograd's
+    ``AccumulateGrad`` would detach or add each DTensor gradient through
+    DTensor's dispatch: see [Note: gradients into .grad without
+    AccumulateGrad]); the optimizer step as many as over plain DTensors of
+    the same shapes."""
     model, step = _llama_step()
     trained = [p for p in model.parameters() if p.requires_grad]
     tokens = torch.arange(16).reshape(2, 8) * 7 % 64
@@ -187,7 +190,10 @@ def test_a_step_dispatches_through_dtensor_no_more_than_plain_dtensors(fake_pg):
     forward = _subclass_dispatches(lambda: state.setdefault("loss", lm_loss(model(tokens), tokens)))
     backward = _subclass_dispatches(lambda: state["loss"].backward())
     assert forward == 0, f"the forward dispatched {forward} DTensor ops"
-    assert backward == len(trained), f"the backward dispatched {backward} DTensor ops for {len(trained)} gradients"
+    assert backward == 0, f"the backward dispatched {backward} DTensor ops for {len(trained)} gradients"
+    assert all(type(p.grad) is DTensor for p in trained)
+    again = _subclass_dispatches(lambda: lm_loss(model(tokens), tokens).backward())
+    assert again == 0, f"a backward adding to .grad dispatched {again} DTensor ops"
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()  # creates the state, as the plain one's first step below does
@@ -200,3 +206,52 @@ def test_a_step_dispatches_through_dtensor_no_more_than_plain_dtensors(fake_pg):
     plain_opt.step()
     ours, theirs = _subclass_dispatches(opt.step), _subclass_dispatches(plain_opt.step)
     assert theirs > 0 and ours == theirs, f"optimizer step: {ours} DTensor dispatches, plain DTensors {theirs}"
+
+
+def _mlps() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """An MLP compiled by fxshard, the same MLP unsharded, and an input."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model = fxshard.compile(copy.deepcopy(ref), backend="aot_eager")
+    return model, ref, torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in model.named_parameters()}  # fmt: skip
+
+
+def test_gradients_reach_grad_as_autograd_puts_them(no_dist):
+    """fxshard sets and adds to ``.grad`` itself (see [Note: gradients into
+    .grad without AccumulateGrad]): the same gradients as autograd's, set,
+    added to, left alone by ``autograd.grad()``, given only to the
+    ``inputs=`` of a backward, and to parameters with hooks through autograd."""
+    model, ref, x = _mlps()
+    for _ in range(2):  # set, then added to
+        for m in (model, ref):
+            m(x).pow(2).sum().backward()
+    torch.testing.assert_close(_full_grads(model), _full_grads(ref))
+
+    for m in (model, ref):
+        m.zero_grad()
+    shards = dict(model.named_parameters())
+    grads = torch.autograd.grad(model(x).pow(2).sum(), list(shards.values()))
+    expected = torch.autograd.grad(ref(x).pow(2).sum(), list(ref.parameters()))
+    torch.testing.assert_close([g.full_tensor() for g in grads], list(expected))
+    assert all(p.grad is None for p in shards.values()), "autograd.grad() set .grad"
+
+    for m in (model, ref):
+        m(x).pow(2).sum().backward(inputs=[m.get_parameter("2.weight")])
+    got = _full_grads(model)
+    assert [name for name, g in got.items() if g is not None] == ["2.weight"], got
+    torch.testing.assert_close(got, _full_grads(ref))
+
+    def double(p: torch.Tensor) -> None:
+        p.grad.mul_(2)
+
+    for m in (model, ref):
+        m.zero_grad()
+        m.get_parameter("0.weight").register_hook(lambda g: g * 3)
+        m.get_parameter("0.bias").register_post_accumulate_grad_hook(double)
+        m(x).pow(2).sum().backward()
+    torch.testing.assert_close(_full_grads(model), _full_grads(ref))

@@ -93,7 +93,52 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         # Averaged over the whole mesh already, HSDP replicas included: the
         # reduces in the graphs do it (see [Note: HSDP]).
-        return as_dtensor_grads(grads, ctx.metas)
+        dtensor_grads = as_dtensor_grads(grads, ctx.metas)
+        if torch.is_grad_enabled():  # create_graph: autograd records the accumulation
+            return dtensor_grads
+        return _accumulate(ctx.next_functions, dtensor_grads)
+
+
+# [Note: gradients into .grad without AccumulateGrad]
+# Autograd hands each leaf's gradient to its ``AccumulateGrad`` node, which
+# detaches it (or adds it to ``.grad``) before it becomes ``.grad``. On a
+# DTensor that is a dispatch through DTensor's Python per parameter per
+# backward: host time FSDP2 does not spend, since it sets each ``.grad``
+# itself. ``_ToLocal``'s backward does what ``AccumulateGrad`` would, on the
+# local tensors, and hands autograd None for each gradient it took. It
+# leaves a gradient to autograd where what ``AccumulateGrad`` does around
+# the accumulation matters, or might: a backward that builds a graph
+# (``create_graph``), ``autograd.grad()`` (it returns gradients and leaves
+# ``.grad`` alone), a leaf this backward does not accumulate into
+# (``backward(inputs=...)`` naming others), a parameter with hooks of its own
+# (``register_hook``, ``register_post_accumulate_grad_hook``: fxshard's zero
+# ``.grad`` of [Note: a zero gradient without memory] among them), and a
+# ``.grad`` of another kind than the gradient (assigned by the user).
+# Hooks registered on the ``AccumulateGrad`` node itself do not run, as under
+# FSDP2, whose sharded parameters are not in the autograd graph.
+def _accumulate(edges: tuple, grads: tuple[DTensor | None, ...]) -> tuple[DTensor | None, ...]:
+    """Set or add each of ``grads`` (one per edge, to its parameter's
+    ``AccumulateGrad``) into its parameter's ``.grad`` where the Note allows;
+    what is left for autograd (None where taken)."""
+    left = list(grads)
+    for i, ((node, _), grad) in enumerate(zip(edges, grads)):
+        if grad is None or node is None or not compat.accumulates_into(node):
+            continue
+        param = node.variable
+        spec = compat.dtensor_spec(param)
+        # Another spec than the parameter's own: the gradient's dtype differs,
+        # and the engine casts it before AccumulateGrad.
+        if param._backward_hooks or param._post_accumulate_grad_hooks or compat.dtensor_spec(grad) is not spec:
+            continue
+        held = param.grad
+        if held is None:
+            param.grad = grad
+        elif type(held) is type(grad) and compat.dtensor_spec(held) == spec:
+            compat.local_tensor(held).add_(compat.local_tensor(grad))
+        else:
+            continue
+        left[i] = None
+    return tuple(left)
 
 
 class LocalShards:

@@ -1,5 +1,5 @@
-"""The autograd engine: whether this thread runs inside a backward, and
-callbacks queued to run when a backward ends."""
+"""The autograd engine: whether this thread runs inside a backward, whether
+it accumulates into a leaf, and callbacks queued to run when a backward ends."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["AtBackwardEnd", "in_backward"]
+__all__ = ["AtBackwardEnd", "accumulates_into", "in_backward"]
 
 
 def _backward_task() -> int:
@@ -18,6 +18,23 @@ def _backward_task() -> int:
 def in_backward() -> bool:
     """Whether this thread runs inside a backward pass (a hook, a recompute)."""
     return _backward_task() != -1
+
+
+def accumulates_into(node: torch.autograd.graph.Node) -> bool:
+    """Whether the running backward will run ``node``, a leaf's
+    ``AccumulateGrad``, so that the leaf's ``.grad`` takes what reaches it:
+    in ``.backward()``, for every leaf or the ``inputs=`` it names. False in
+    ``autograd.grad()``, which returns the gradients and leaves ``.grad``
+    alone (the engine refuses the question for a leaf there), and under
+    compiled autograd, which traces the backward instead of running it."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    if getattr(compiled_autograd, "in_compiled_autograd_region", False):
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "... we are currently running autograd.grad()"
+        return False
 
 
 class AtBackwardEnd:
