@@ -175,3 +175,29 @@ def test_compiled_optimizer_step_over_shards(fake_pg, backend):
     assert all(type(p) is type(shards[0]) for p in twins), "the compiled step replaced the shards"
     for a, b in zip(shards, twins):
         torch.testing.assert_close(compat.local_tensor(b), compat.local_tensor(a), rtol=1e-5, atol=1e-6)
+
+
+def _fast_path_layout(t: torch.Tensor) -> tuple:
+    """What the fused and foreach kernels compare across a parameter, its
+    gradient and its states: sizes, and strides but those of size-1 dimensions."""
+    return tuple(t.shape), tuple(st for size, st in zip(t.shape, t.stride()) if size != 1)
+
+
+def test_gradients_of_empty_shards_are_laid_out_as_their_shards(no_dist):
+    """A rank whose shards hold no rows (3 rows over 4 ranks: rank 3) gets
+    gradients laid out as its shards. Inductor returned them with zero
+    strides, which the fused AdamW refuses on CUDA ("params, grads,
+    exp_avgs, and exp_avg_sqs must have same dtype, device, and layout"):
+    the 4-GPU CUDA-graph gate failed on rank 3 of the Hybrid."""
+    torch.distributed.init_process_group("fake", store=compat.fake_store(), rank=3, world_size=4)
+    torch.manual_seed(0)
+    model = fxshard.compile(nn.Sequential(nn.Linear(8, 3), nn.Tanh(), nn.Linear(3, 8)), backend="inductor")
+    model(torch.randn(2, 8)).sum().backward()
+    empty = [name for name, p in model.named_parameters() if compat.local_tensor(p).numel() == 0]
+    assert empty == ["0.weight", "0.bias"], empty
+    for name, p in model.named_parameters():
+        local, grad = compat.local_tensor(p), compat.local_tensor(p.grad)
+        state = torch.zeros_like(local)  # as the optimizers make their states
+        assert _fast_path_layout(grad) == _fast_path_layout(local) == _fast_path_layout(state), (
+            f"{name}: shard {local.shape} {local.stride()}, grad {grad.shape} {grad.stride()}"
+        )

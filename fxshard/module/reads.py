@@ -87,16 +87,31 @@ class _ToLocal(torch.autograd.Function):
         # autograd function per call), saves an autograd call per parameter
         # on every step, and the step's first kernel waits for this loop.
         locals_ = [compat.local_tensor(p) for p in params]
+        ctx.strides = [t.stride() for t in locals_]
         return tuple(t.view_as(t) for t in locals_)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
         # Averaged over the whole mesh already, HSDP replicas included: the
         # reduces in the graphs do it (see [Note: HSDP]).
-        dtensor_grads = as_dtensor_grads(grads, ctx.metas)
+        laid_out = tuple(g if g is None or g.stride() == stride else _laid_out(g, stride)
+                         for g, stride in zip(grads, ctx.strides))  # fmt: skip
+        dtensor_grads = as_dtensor_grads(laid_out, ctx.metas)
         if torch.is_grad_enabled():  # create_graph: autograd records the accumulation
             return dtensor_grads
         return _accumulate(ctx.next_functions, dtensor_grads)
+
+
+def _laid_out(grad: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``grad`` with its shard's strides. Autograd lays a plain parameter's
+    ``.grad`` out as the parameter (its layout contract), but it compares a
+    DTensor's global strides, not the local tensor's, which fused and
+    foreach optimizers compare across params, grads and states. Inductor
+    returns an empty gradient (a rank's shard of no rows) with zero strides,
+    which the fused AdamW on CUDA refuses ("must have same dtype, device,
+    and layout"); a foreach kernel leaves its fast path for such a list."""
+    out = grad.new_empty_strided(grad.shape, stride)
+    return out.copy_(grad) if grad.numel() else out
 
 
 # [Note: gradients into .grad without AccumulateGrad]
