@@ -103,15 +103,24 @@ class _ToLocal(torch.autograd.Function):
 
 
 def _laid_out(grad: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """``grad`` with its shard's strides. Autograd lays a plain parameter's
-    ``.grad`` out as the parameter (its layout contract), but it compares a
-    DTensor's global strides, not the local tensor's, which fused and
-    foreach optimizers compare across params, grads and states. Inductor
-    returns an empty gradient (a rank's shard of no rows) with zero strides,
-    which the fused AdamW on CUDA refuses ("must have same dtype, device,
-    and layout"); a foreach kernel leaves its fast path for such a list."""
+    """``grad`` laid out as its shard (of strides ``stride``) where the
+    optimizers' kernels would see a difference. Autograd lays a plain
+    parameter's ``.grad`` out as the parameter (its layout contract), but
+    for a DTensor it compares the global strides, not the local tensor's,
+    which fused and foreach kernels compare across params, grads and
+    states (but for dimensions of size 1). Inductor returns an empty
+    gradient (a rank's shard of no rows) with zero strides, which the fused
+    AdamW on CUDA refuses ("must have same dtype, device, and layout"), and
+    a foreach kernel leaves its fast path for such a list."""
+    if _compared(grad.shape, grad.stride()) == _compared(grad.shape, stride):
+        return grad
     out = grad.new_empty_strided(grad.shape, stride)
     return out.copy_(grad) if grad.numel() else out
+
+
+def _compared(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides that fused and foreach kernels compare: those of dimensions of more than one element."""
+    return tuple(st for size, st in zip(shape, stride) if size != 1)
 
 
 # [Note: gradients into .grad without AccumulateGrad]
