@@ -208,6 +208,31 @@ def test_a_step_dispatches_through_dtensor_no_more_than_plain_dtensors(fake_pg):
     assert theirs > 0 and ours == theirs, f"optimizer step: {ours} DTensor dispatches, plain DTensors {theirs}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_one_gradient_goes_through_autograd_for_the_streams(fake_pg):
+    """On a device with streams one gradient is left to autograd, so that
+    the engine's wait of the calling stream on its leaves' streams covers
+    the gradients fxshard set (see [Note: gradients into .grad without
+    AccumulateGrad]): one DTensor dispatch in the backward, not none. The
+    gradients then match, with the forward on a side stream and the
+    backward called from the default one."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab=64, dim=32, layers=3, heads=2, hidden=48, max_len=16)).cuda()
+    fxshard.compile(model, backend="aot_eager")
+    tokens = (torch.arange(16).reshape(2, 8) * 7 % 64).cuda()
+    lm_loss(model(tokens), tokens).backward()
+    expected = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loss = lm_loss(model(tokens), tokens)
+    torch.cuda.current_stream().wait_stream(side)
+    assert _subclass_dispatches(loss.backward) == 1
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.to_local(), expected[name], msg=name)
+
+
 def _mlps() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
     """An MLP compiled by fxshard, the same MLP unsharded, and an input."""
     torch.manual_seed(0)

@@ -138,6 +138,12 @@ def _compared(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]:
 # (``register_hook``, ``register_post_accumulate_grad_hook``: fxshard's zero
 # ``.grad`` of [Note: a zero gradient without memory] among them), and a
 # ``.grad`` of another kind than the gradient (assigned by the user).
+# On a device with streams it leaves one gradient to autograd as well: the
+# engine makes the stream that called ``backward()`` wait for the streams
+# of the leaves it accumulated into (torch's Note [Streaming backwards]), and
+# that one leaf, accumulated after the others were written on this node's
+# stream, keeps the wait for all of them (a forward run on a side stream,
+# its backward called from another, reads every ``.grad`` safely).
 # Hooks registered on the ``AccumulateGrad`` node itself do not run, as under
 # FSDP2, whose sharded parameters are not in the autograd graph.
 def _accumulate(edges: tuple, grads: tuple[DTensor | None, ...]) -> tuple[DTensor | None, ...]:
@@ -145,8 +151,12 @@ def _accumulate(edges: tuple, grads: tuple[DTensor | None, ...]) -> tuple[DTenso
     ``AccumulateGrad``) into its parameter's ``.grad`` where the Note allows;
     what is left for autograd (None where taken)."""
     left = list(grads)
+    stream_kept = False  # the leaf left to autograd for the streams' wait (see the Note)
     for i, ((node, _), grad) in enumerate(zip(edges, grads)):
         if grad is None or node is None or not compat.accumulates_into(node):
+            continue
+        if not stream_kept and grad.device.type != "cpu":
+            stream_kept = True
             continue
         param = node.variable
         spec = compat.dtensor_spec(param)
