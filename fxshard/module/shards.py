@@ -245,7 +245,7 @@ class HeldShard:
     # where it has none (see [Note: accumulation without sync] in
     # fxshard/runtime/ops.py): what ``zero_grad`` resets, so that the root can
     # tell that the kept gradients were reset too. It is one zero element
-    # expanded to the shard's shape: a real zero gradient would hold the
+    # seen at the shard's shape through zero strides: a real zero gradient would hold the
     # sharded gradients (1/world of the model in the shard dtype) from the
     # first micro-batch, where FSDP2 makes them at the reduce. Reads and
     # ``zero_grad`` (both forms) work on it; other in-place writes raise (its
@@ -265,7 +265,11 @@ class HeldShard:
             return False
         self.release_zero_grad()  # a zero the user reset (zero_grad set None): its hook
         local = compat.local_tensor(param)
-        param.grad = grad_dtensor(local.new_zeros(()).expand(local.shape), compat.dtensor_spec(param))
+        # A tensor of its own, not an expanded view of a 0-d one: torch 2.11's
+        # dynamo failed to fake a parameter whose .grad was such a view ("2 !=
+        # 0" in meta_utils) in a resume frame of the sequenced path.
+        zero = local.new_empty_strided(local.shape, (0,) * local.dim()).zero_()
+        param.grad = grad_dtensor(zero, compat.dtensor_spec(param))
         self._zero = param.grad
         self._release = param.register_hook(self._before_accumulate)
         return True
