@@ -144,8 +144,9 @@ def _compared(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...]:
 # that one leaf, accumulated after the others were written on this node's
 # stream, keeps the wait for all of them (a forward run on a side stream,
 # its backward called from another, reads every ``.grad`` safely).
-# Hooks registered on the ``AccumulateGrad`` node itself do not run, as under
-# FSDP2, whose sharded parameters are not in the autograd graph.
+# Hooks registered on the ``AccumulateGrad`` node itself see None for a
+# gradient taken here (autograd still runs the node); FSDP2's sharded
+# parameters are not in the autograd graph at all.
 def _accumulate(edges: tuple, grads: tuple[DTensor | None, ...]) -> tuple[DTensor | None, ...]:
     """Set or add each of ``grads`` (one per edge, to its parameter's
     ``AccumulateGrad``) into its parameter's ``.grad`` where the Note allows;
