@@ -154,7 +154,12 @@ def _accumulate(edges: tuple, grads: tuple[DTensor | None, ...]) -> tuple[DTenso
     left = list(grads)
     stream_kept = False  # the leaf left to autograd for the streams' wait (see the Note)
     for i, ((node, _), grad) in enumerate(zip(edges, grads)):
-        if grad is None or node is None or not compat.accumulates_into(node):
+        if grad is None or node is None:
+            continue
+        accumulates = compat.accumulates_into(node)
+        if accumulates is None:  # no leaf's .grad takes gradients in this backward
+            break
+        if not accumulates:
             continue
         if not stream_kept and grad.device.type != "cpu":
             stream_kept = True

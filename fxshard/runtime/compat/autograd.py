@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch._dynamo.compiled_autograd as compiled_autograd
 
 __all__ = ["AtBackwardEnd", "accumulates_into", "in_backward"]
 
@@ -20,21 +21,20 @@ def in_backward() -> bool:
     return _backward_task() != -1
 
 
-def accumulates_into(node: torch.autograd.graph.Node) -> bool:
+def accumulates_into(node: torch.autograd.graph.Node) -> bool | None:
     """Whether the running backward will run ``node``, a leaf's
     ``AccumulateGrad``, so that the leaf's ``.grad`` takes what reaches it:
-    in ``.backward()``, for every leaf or the ``inputs=`` it names. False in
-    ``autograd.grad()``, which returns the gradients and leaves ``.grad``
-    alone (the engine refuses the question for a leaf there), and under
-    compiled autograd, which traces the backward instead of running it."""
-    import torch._dynamo.compiled_autograd as compiled_autograd
-
-    if getattr(compiled_autograd, "in_compiled_autograd_region", False):
-        return False
+    in ``.backward()``, for every leaf or the ``inputs=`` it names. None
+    where no leaf's ``.grad`` does: in ``autograd.grad()``, which returns
+    the gradients instead (the engine refuses the question for a leaf
+    there), and under compiled autograd, which traces the backward instead
+    of running it."""
+    if compiled_autograd.in_compiled_autograd_region:
+        return None
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:  # "... we are currently running autograd.grad()"
-        return False
+        return None
 
 
 class AtBackwardEnd:
