@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import fxshard
 from examples.llama import Llama, LlamaConfig, lm_loss
-from tests.helpers.versions import TORCH_BEFORE_2_13
 
 # What custom_op runs around an op's function on every call.
 _WRAPPERS = ("torch/_library/custom_ops.py", "torch/_library/autograd.py")
@@ -146,24 +145,22 @@ def test_gradients_become_dtensors_without_from_local(fake_pg):
     step()
 
 
-@pytest.mark.xfail(
-    TORCH_BEFORE_2_13, strict=True,
-    reason="torch before 2.13 (seen on 2.11): the backward through the gradient does not reach the op's formula, and "
-    "nothing raises; docs/limits.md",
-)  # fmt: skip
-def test_a_backward_through_a_gradient_raises_naming_the_cause(fake_pg):
+@pytest.mark.parametrize("layer, op", [(1, "all_reduce_grad"), (0, "reduce_grad")], ids=["replicated", "sharded"])
+def test_a_backward_through_a_gradient_raises_naming_the_cause(fake_pg, layer, op):
     """The runtime ops have no autograd kernel. A gradient taken with
     ``create_graph=True`` still works, and a backward through it raises,
-    naming the op, rather than differentiating the collective's function."""
+    naming the op, rather than differentiating the collective's function.
+    On every torch: before 2.13, ``DTensor.to_local``'s backward cut the
+    graph short of the op, and nothing raised."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     fxshard.no_shard(model[1])
     fxshard.compile(model, backend="aot_eager")
-    weight = model[1].weight  # the full value, read outside the forward: its gradient is all-reduced
+    weight = model[layer].weight  # the full value, read outside the forward: its gradient is reduced
     (weight**3).sum().backward(create_graph=True)
-    shard = dict(model.named_parameters())["1.weight"]
+    shard = dict(model.named_parameters())[f"{layer}.weight"]
     assert shard.grad is not None and shard.grad.requires_grad
-    with pytest.raises(RuntimeError, match="double backward.*all_reduce_grad"):
+    with pytest.raises(RuntimeError, match=f"double backward.*{op}"):
         shard.grad.to_local().sum().backward()
 
 

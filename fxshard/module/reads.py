@@ -309,7 +309,13 @@ def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_sto
             full = torch.empty(spec.shape, dtype=spec.shard_dtype, device=spec.device)
         else:
             # HSDP: the marker's reduce averages across replicas too (see [Note: HSDP]).
-            full = _gather(param.to_local(), spec, as_stored, index)
+            # ``_ToLocal``, not ``to_local()``: a backward that builds a graph
+            # (create_graph) must keep the shard's gradient in it, so that a
+            # backward through that gradient reaches the marker's formula
+            # (which raises); torch before 2.13 (seen on 2.11) wraps it in a
+            # new leaf DTensor there, and the graph stops short of the op.
+            (local,) = _ToLocal.apply(param)
+            full = _gather(local, spec, as_stored, index)
         source = Source(param, spec.fqn)
         return gathered_parameter(full, full, param.write_full, source, link)
 
