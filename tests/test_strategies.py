@@ -4,6 +4,7 @@ the plan, its dump, the memory fallback, and unfreezing after compile (gloo, CPU
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -329,24 +330,43 @@ def _leftovers(rank: int, world_size: int, zero_stage: int = 3) -> dict:
     return {}
 
 
-def _reset_between(rank: int, world_size: int, set_to_none: bool, zero_stage: int = 3,
-                   cls: type[_TwoHeads] = _TwoHeads) -> dict:  # fmt: skip
-    """zero_grad after a micro-batch without sync drops what it kept, as it
-    drops .grad: the step then holds only the later micro-batch's gradient."""
+def _zero_grad(set_to_none: bool) -> Callable[[nn.Module, torch.optim.Optimizer], None]:
+    return lambda model, opt: opt.zero_grad(set_to_none=set_to_none)
+
+
+def _reset_one(how: str) -> Callable[[nn.Module, torch.optim.Optimizer], None]:
+    """Reset one parameter's ``.grad``, as a user may between micro-batches."""
+
+    def reset(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        param = dict(model.named_parameters())["body.weight"]
+        if how == "none":
+            param.grad = None
+        else:
+            param.grad.zero_()
+
+    return reset
+
+
+def _reset_between(rank: int, world_size: int, reset: Callable[[nn.Module, torch.optim.Optimizer], None],
+                   zero_stage: int = 3, cls: type[_TwoHeads] = _TwoHeads) -> dict:  # fmt: skip
+    """A reset of ``.grad`` after a micro-batch without sync drops what that
+    micro-batch kept for the parameters it reset, and only for those: the
+    same steps and resets on an unsharded model give the same gradients."""
     torch.manual_seed(0)
     model, ref = cls(), cls()
     ref.load_state_dict(model.state_dict())
     fxshard.compile(model, backend="aot_eager", zero_stage=zero_stage)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     xs = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)]
           for r in range(world_size)]  # fmt: skip
-    model.set_requires_gradient_sync(False)
-    model(xs[rank][0], "a").pow(2).mean().backward()
-    assert runtime.state(model).sequenced == (cls is _TwoHeadsBreak)
-    opt.zero_grad(set_to_none=set_to_none)
-    model.set_requires_gradient_sync(True)
-    model(xs[rank][1], "a").pow(2).mean().backward()
-    (sum(ref(xs[r][1], "a").pow(2).mean() for r in range(world_size)) / world_size).backward()
+    for i, sync in enumerate((False, True)):
+        model.set_requires_gradient_sync(sync)
+        model(xs[rank][i], "a").pow(2).mean().backward()
+        (sum(ref(xs[r][i], "a").pow(2).mean() for r in range(world_size)) / world_size).backward()
+        if i == 0:
+            assert runtime.state(model).sequenced == (cls is _TwoHeadsBreak)
+            reset(model, opt)
+            reset(ref, ref_opt)
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         expected = refs[name].grad if refs[name].grad is not None else torch.zeros_like(refs[name])
@@ -397,14 +417,22 @@ def _gloo_gathers(rank: int, world_size: int) -> dict:
 TWO_RANK_CHECKS = {
     "unfrozen_after_compile_is_all_reduced": lambda r, w: _unfreeze_later(r, w),
     "kept_gradients_no_read_took_are_reduced": lambda r, w: _leftovers(r, w),
-    "zero_grad_drops_kept_gradients": lambda r, w: _reset_between(r, w, True),
-    "zero_grad_in_place_drops_kept_gradients": lambda r, w: _reset_between(r, w, False),
+    "zero_grad_drops_kept_gradients": lambda r, w: _reset_between(r, w, _zero_grad(True)),
+    "zero_grad_in_place_drops_kept_gradients": lambda r, w: _reset_between(r, w, _zero_grad(False)),
+    # A reset of one parameter's .grad drops what was kept for it, not the others'.
+    "grad_none_on_one_drops_its_kept_gradient_only": lambda r, w: _reset_between(r, w, _reset_one("none")),
+    "grad_zeroed_on_one_drops_its_kept_gradient_only": lambda r, w: _reset_between(r, w, _reset_one("zero")),
     # ZeRO-1's kept copies keep and reduce gradients as the other stages' reads do.
     "kept_gradients_no_read_took_are_reduced_zero1": lambda r, w: _leftovers(r, w, zero_stage=1),
-    "zero_grad_drops_kept_gradients_zero1": lambda r, w: _reset_between(r, w, True, zero_stage=1),
+    "zero_grad_drops_kept_gradients_zero1": lambda r, w: _reset_between(r, w, _zero_grad(True), zero_stage=1),
     # Sequenced reads keep gradients outside .grad too; .grad was None, and zero_grad left no trace.
-    "zero_grad_drops_kept_gradients_sequenced": lambda r, w: _reset_between(r, w, True, cls=_TwoHeadsBreak),
-    "zero_grad_in_place_drops_kept_gradients_sequenced": lambda r, w: _reset_between(r, w, False, cls=_TwoHeadsBreak),
+    "zero_grad_drops_kept_gradients_sequenced": lambda r, w: _reset_between(r, w, _zero_grad(True), cls=_TwoHeadsBreak),
+    "zero_grad_in_place_drops_kept_gradients_sequenced": lambda r, w: _reset_between(
+        r, w, _zero_grad(False), cls=_TwoHeadsBreak
+    ),
+    "grad_none_on_one_drops_its_kept_gradient_only_sequenced": lambda r, w: _reset_between(
+        r, w, _reset_one("none"), cls=_TwoHeadsBreak
+    ),
     "ranks_must_mark_the_same_no_shard_parameters": lambda r, w: _marks_differ(r, w),
     "gloo_gathers_one_unit_at_a_time_never_coalesced": lambda r, w: _gloo_gathers(r, w),
 }

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from fxshard.checks import check_distinct_rows
 from fxshard.module.optimizers import count_optimizer_steps, retire
 from fxshard.module.reads import LocalShards
-from fxshard.module.shards import shard_parameter, slot_backed, written
+from fxshard.module.shards import shard_parameter, slot_backed
 from fxshard.runtime import compat
 from fxshard.runtime.ops import ACCUMULATE, FLUSH, SYNC, GradStore
 from fxshard.runtime.plans import ModelRuntime, Param, Shard
@@ -61,7 +61,8 @@ class RootState:
         self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
         self.store = runtime.store = GradStore(self.sequencer.reduce_one, self._note_kept)
         self.sequencer.after_hold = self._note_kept
-        self._kept_grads: tuple | None = None  # the .grad tensors as the last backward without sync left them
+        # plan index -> key of its .grad, as the last backward without sync left it
+        self._kept_grads: dict[int, tuple[int, ...] | None] = {}
         self._zeroed: list[Shard] = []  # given a zero .grad without memory (see [Note: a zero gradient without memory])
         self.graph_break_reason: str | None = None  # what dynamo said, when reads went sequenced
         self.backend: FXShardBackend | None = None  # see attach
@@ -147,30 +148,34 @@ class RootState:
         """Whether gradients accumulated without sync wait for a call with sync."""
         return bool(self.store.grads) or self.sequencer.pending()
 
-    def _grads_now(self) -> tuple:
-        # See [Note: has it changed]. Holding no gradient alive: zero_grad sets None or
-        # writes in place, both seen.
-        grads = [p.grad for p in self.shards.parameters()]
-        return tuple(None if g is None else written(g) for g in grads)
-
     def _note_kept(self) -> None:
         # Graphs' and sequenced calls' alike: with .grad None, a reset would not show.
-        for index in (*self.store.grads, *self.sequencer.held()):
+        kept = {*self.store.grads, *self.sequencer.held()}
+        for index in kept:
             shard = self.sequencer.params[index].shard
             if shard.hold_zero_grad():
                 self._zeroed.append(shard)
-        self._kept_grads = self._grads_now()
+        # See [Note: has it changed]. Holding no gradient alive: zero_grad sets None or
+        # writes in place, both seen.
+        self._kept_grads = {index: self.sequencer.params[index].shard.grad_key() for index in kept}
 
     def check_kept(self) -> None:
-        """Drop the gradients kept without sync if ``.grad`` was reset since
-        (see [Note: accumulation without sync] in runtime/ops.py); once none
-        are kept, no zero gradient without memory stays ``.grad``."""
-        if self.pending() and self._kept_grads is not None and self._grads_now() != self._kept_grads:
-            log.warning("fxshard: gradients were reset (zero_grad) after micro-batches without sync; dropping the "
-                        "gradients kept for those micro-batches, as their .grad was")  # fmt: skip
-            self.store.grads.clear()
-            self.sequencer.drop_held()
-            self._kept_grads = None
+        """Drop the gradients kept without sync of each parameter whose
+        ``.grad`` was reset since, and only those, as a reset drops ``.grad``
+        in unsharded training (see [Note: accumulation without sync] in
+        runtime/ops.py); once none are kept, no zero gradient without memory
+        stays ``.grad``."""
+        if self.pending() and self._kept_grads:
+            params = self.sequencer.params
+            reset = [k for k, key in self._kept_grads.items() if params[k].shard.grad_key() != key]
+            if reset:
+                names = ", ".join(repr(params[k].fqn) for k in reset[:3]) + (", ..." if len(reset) > 3 else "")
+                log.warning(f"fxshard: the .grad of {len(reset)} parameter(s) ({names}) was reset (zero_grad) after "
+                            "micro-batches without sync; dropping the gradients kept for them, as their .grad was")  # fmt: skip
+                for k in reset:
+                    self.store.grads.pop(k, None)
+                    del self._kept_grads[k]
+                self.sequencer.drop_held(reset)
         if self._zeroed and not self.pending():
             for shard in self._zeroed:
                 shard.release_zero_grad(materialize=True)

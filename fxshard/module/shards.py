@@ -231,6 +231,10 @@ class HeldShard:
     def local(self) -> torch.Tensor:
         return compat.local_tensor(self.module._parameters[self.attr])
 
+    def grad_key(self) -> tuple[int, ...] | None:
+        grad = self.module._parameters[self.attr].grad
+        return None if grad is None else written(grad)
+
     def rehome(self, tensor: torch.Tensor) -> None:
         """Hold ``tensor``, a copy of the local shard in other memory: a move,
         no write (see [Note: has it changed])."""

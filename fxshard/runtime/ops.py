@@ -44,10 +44,11 @@ from fxshard.runtime.rank_checks import check_collective
 #   this micro-batch did not use) are reduced when the backward ends, in plan
 #   order, eagerly, on the gather communicator. One graph runs the same reads
 #   on every rank, so every rank reduces the same ones.
-# Gradients reset after a micro-batch without sync (``zero_grad``, say) drop
-# what it kept, as they would drop gradients kept in ``.grad``: the root
-# compares the ``.grad`` tensors at its next call with those the backward
-# left, the zero ones included (``RootState.check_kept``).
+# A parameter's gradient reset after a micro-batch without sync
+# (``zero_grad``, ``p.grad = None``) drops what was kept for it, and only for
+# it, as a reset drops gradients kept in ``.grad``: the root compares each
+# ``.grad`` at its next call with the one the backward left, the zero ones
+# included (``RootState.check_kept``).
 SYNC, ACCUMULATE, FLUSH = 0, 1, 2
 
 

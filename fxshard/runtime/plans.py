@@ -167,6 +167,11 @@ class Shard(Protocol):
         """Accumulate a reduced gradient of this rank's rows into ``.grad``."""
         ...
 
+    def grad_key(self) -> tuple[int, ...] | None:
+        """A key of ``.grad`` (None without one) that a reset changes (see
+        [Note: has it changed] in fxshard/module/shards.py)."""
+        ...
+
     def hold_zero_grad(self) -> bool:
         """A zero ``.grad`` without memory where there is none, while the
         gradient is kept without sync (see [Note: a zero gradient without

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -193,8 +193,10 @@ class Sequencer:
             self._pending.pop(call_id).full.clear()
         return len(failed)
 
-    def drop_held(self) -> None:
-        self._held.clear()
+    def drop_held(self, indexes: Iterable[int]) -> None:
+        """Drop the gradients held for these parameters."""
+        for k in indexes:
+            self._held.pop(k, None)
 
     def held(self) -> list[int]:
         """The parameters whose gradients calls without sync left for a call with sync."""
