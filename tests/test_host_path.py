@@ -164,6 +164,30 @@ def test_a_backward_through_a_gradient_raises_naming_the_cause(fake_pg, layer, o
         shard.grad.to_local().sum().backward()
 
 
+def test_eager_backend_refuses_a_differentiable_parameter_gradient_and_takes_an_input_penalty(no_dist):
+    """``backend="eager"`` reduces gradients outside autograd: a backward
+    with ``create_graph=True`` through a parameter raises, naming the way
+    that works, rather than give ``.grad`` no graph (a gradient penalty on
+    it would silently be zero). A penalty on the gradient with respect to
+    the inputs (WGAN-GP, R1) matches unsharded training."""
+    torch.manual_seed(0)
+    model, ref = (torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)) for _ in "ab")
+    ref.load_state_dict(model.state_dict())
+    fxshard.compile(model, backend="eager")
+    x = torch.randn(5, 4)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*'2.weight'.*torch.autograd.grad\(out, inputs"):
+        model(x).sum().backward(create_graph=True)
+    model.zero_grad()
+    for m in (model, ref):
+        xg = x.clone().requires_grad_()
+        out = m(xg)
+        (g,) = torch.autograd.grad(out.sum(), xg, create_graph=True)
+        (out.mean() + g.pow(2).sum()).backward()
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), refs[name].grad, msg=name)
+
+
 def _subclass_dispatches(fn) -> int:
     """How many times ``fn()`` entered a tensor subclass's dispatch (DTensor's:
     the profiler's ``PythonSubclass`` events), C++ fast path or Python."""

@@ -254,6 +254,16 @@ def _seq_gather_setup(ctx, inputs, output):
 
 
 def _seq_gather_backward(ctx, grad):
+    if torch.is_grad_enabled() and grad.requires_grad:
+        # create_graph: the sequencer reduces gradients outside autograd, so
+        # .grad would silently hold no graph (a gradient penalty on it: zero).
+        raise RuntimeError(
+            f"fxshard: a backward with create_graph=True reached the gradient of {plans.param(*ctx.key).fqn!r}, "
+            "which fxshard reduces outside autograd: the gradient it gives .grad cannot be differentiated "
+            "again. A penalty on gradients with respect to the inputs works: take them with "
+            "torch.autograd.grad(out, inputs, create_graph=True), which leaves the parameters' gradients "
+            "to the backward of the loss"
+        )
     (anchor,) = ctx.saved_tensors
     return seq_grad(grad.contiguous(), anchor, *ctx.key), None, None
 
