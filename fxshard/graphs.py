@@ -288,7 +288,9 @@ class CapturedStep:
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__} is sharded over a "
                                  f"{topology.device.type} mesh; CUDA graphs need a CUDA mesh with NCCL")  # fmt: skip
             backend = topology.shard.backend
-            if topology.world.size > 1 and backend != "nccl":
+            # At one rank too: on a one-rank gloo group, replays gave other
+            # losses than plain steps (seen on an H200); NCCL's did not.
+            if backend != "nccl":
                 raise ValueError(f"fxshard.cuda_graph: {type(model).__name__}'s process group is {backend}; a "
                                  "captured step's collectives need NCCL: init_process_group('nccl')")  # fmt: skip
         for opt in optimizers:
