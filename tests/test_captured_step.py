@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from fxshard.graphs import CapturedStep
@@ -161,10 +163,15 @@ def test_estimates_survive_a_compile_cache_hit(no_dist, tmp_path, monkeypatch):
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # cold: the first compile runs the passes
     x = torch.randn(3, 8)
+    # One mesh for both, as a second process would name its group as the
+    # first did: with CUDA present, each default mesh made a new group of
+    # another name, which the graphs carry (seen on an H200).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
 
     def trained() -> nn.Module:
         torch.manual_seed(0)
-        model = fxshard.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+        model = fxshard.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), mesh)
         model(x).sum().backward()
         return model
 
