@@ -393,11 +393,18 @@ class ZooModel(nn.Module):
 def make_model(seed: int) -> nn.Module:
     arch = plan(seed)
     if not arch.sequential:
-        return ZooModel(arch)
-    stem = nn.Embedding(arch.vocab, arch.width) if arch.vocab else nn.Linear(arch.width_in, arch.width)
-    stem.requires_grad_(not arch.frozen_stem)
-    parts = [m for p in arch.parts for m in (ACTIVATIONS[p.act][0](), build_part(p, arch.width))]
-    return nn.Sequential(stem, *parts, nn.Linear(arch.width, arch.out))
+        model = ZooModel(arch)
+    else:
+        stem = nn.Embedding(arch.vocab, arch.width) if arch.vocab else nn.Linear(arch.width_in, arch.width)
+        stem.requires_grad_(not arch.frozen_stem)
+        parts = [m for p in arch.parts for m in (ACTIVATIONS[p.act][0](), build_part(p, arch.width))]
+        model = nn.Sequential(stem, *parts, nn.Linear(arch.width, arch.out))
+    if not any(p.requires_grad for p in model.parameters()):
+        # Nothing to train (a frozen stem tied to the output, parts without
+        # parameters): the stem trains, as a user's model would need. Here, not
+        # in plan(), so that no other seed's model changes.
+        model.requires_grad_(True)
+    return model
 
 
 def make_batch(seed: int, gen: torch.Generator) -> torch.Tensor:
