@@ -348,10 +348,13 @@ def _reset_one(how: str) -> Callable[[nn.Module, torch.optim.Optimizer], None]:
 
 
 def _reset_between(rank: int, world_size: int, reset: Callable[[nn.Module, torch.optim.Optimizer], None],
-                   zero_stage: int = 3, cls: type[_TwoHeads] = _TwoHeads) -> dict:  # fmt: skip
+                   zero_stage: int = 3, cls: type[_TwoHeads] = _TwoHeads, syncs: tuple[bool, ...] = (False, True),
+                   after_forward: bool = False) -> dict:  # fmt: skip
     """A reset of ``.grad`` after a micro-batch without sync drops what that
     micro-batch kept for the parameters it reset, and only for those: the
-    same steps and resets on an unsharded model give the same gradients."""
+    same steps and resets on an unsharded model give the same gradients.
+    ``after_forward``: the reset comes between the next micro-batch's
+    forward and its backward."""
     torch.manual_seed(0)
     model, ref = cls(), cls()
     ref.load_state_dict(model.state_dict())
@@ -359,14 +362,20 @@ def _reset_between(rank: int, world_size: int, reset: Callable[[nn.Module, torch
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     xs = [[torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)]
           for r in range(world_size)]  # fmt: skip
-    for i, sync in enumerate((False, True)):
+    xs = [[x[i % 2] for i in range(len(syncs))] for x in xs]
+    for i, sync in enumerate(syncs):
         model.set_requires_gradient_sync(sync)
-        model(xs[rank][i], "a").pow(2).mean().backward()
-        (sum(ref(xs[r][i], "a").pow(2).mean() for r in range(world_size)) / world_size).backward()
-        if i == 0:
-            assert runtime.state(model).sequenced == (cls is _TwoHeadsBreak)
+        losses = model(xs[rank][i], "a").pow(2).mean(), sum(ref(xs[r][i], "a").pow(2).mean() for r in range(world_size))
+        if i == 1 and after_forward:
             reset(model, opt)
             reset(ref, ref_opt)
+        losses[0].backward()
+        (losses[1] / world_size).backward()
+        if i == 0:
+            assert runtime.state(model).sequenced == (cls is _TwoHeadsBreak)
+            if not after_forward:
+                reset(model, opt)
+                reset(ref, ref_opt)
     refs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         expected = refs[name].grad if refs[name].grad is not None else torch.zeros_like(refs[name])
@@ -374,6 +383,24 @@ def _reset_between(rank: int, world_size: int, reset: Callable[[nn.Module, torch
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=name)
     assert not runtime.state(model).pending()
     opt.step()
+    return {}
+
+
+def _changed_between(rank: int, world_size: int) -> dict:
+    """``.grad`` holding a synced micro-batch's gradient, then scaled after
+    one without sync: the kept gradient is outside ``.grad`` and cannot be
+    scaled with it, so the next call raises rather than drop or keep it."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fxshard.compile(model, backend="aot_eager")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    for sync in (True, False):
+        model.set_requires_gradient_sync(sync)
+        model(x, "a").pow(2).mean().backward()
+    dict(model.named_parameters())["body.weight"].grad.mul_(0.5)
+    model.set_requires_gradient_sync(True)
+    with pytest.raises(ValueError, match="'body.weight' was changed after micro-batches without sync.*after the micro"):
+        model(x, "a")
     return {}
 
 
@@ -433,6 +460,17 @@ TWO_RANK_CHECKS = {
     "grad_none_on_one_drops_its_kept_gradient_only_sequenced": lambda r, w: _reset_between(
         r, w, _reset_one("none"), cls=_TwoHeadsBreak
     ),
+    # Between the forward and the backward of the next micro-batch, with or without sync.
+    "reset_after_the_next_forward_drops_kept_gradients": lambda r, w: _reset_between(
+        r, w, _zero_grad(True), after_forward=True
+    ),
+    "reset_after_the_next_forward_without_sync": lambda r, w: _reset_between(
+        r, w, _reset_one("none"), syncs=(False, False, True), after_forward=True
+    ),
+    "reset_after_the_next_forward_sequenced": lambda r, w: _reset_between(
+        r, w, _zero_grad(False), cls=_TwoHeadsBreak, after_forward=True
+    ),
+    "a_change_to_grad_other_than_a_reset_raises": lambda r, w: _changed_between(r, w),
     "ranks_must_mark_the_same_no_shard_parameters": lambda r, w: _marks_differ(r, w),
     "gloo_gathers_one_unit_at_a_time_never_coalesced": lambda r, w: _gloo_gathers(r, w),
 }

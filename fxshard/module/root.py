@@ -59,8 +59,9 @@ class RootState:
         self.materialized: dict[int, tuple[weakref.ref, DTensor]] = {}
         self.calls = 0
         self.sync = True  # set_requires_gradient_sync (see [Note: accumulation without sync])
-        self.store = runtime.store = GradStore(self.sequencer.reduce_one, self._note_kept)
+        self.store = runtime.store = GradStore(self.sequencer.reduce_one, self._note_kept, self._drop_reset)
         self.sequencer.after_hold = self._note_kept
+        self.sequencer.check_held = self._drop_reset
         # plan index -> key of its .grad, as the last backward without sync left it
         self._kept_grads: dict[int, tuple[int, ...] | None] = {}
         self._zeroed: list[Shard] = []  # given a zero .grad without memory (see [Note: a zero gradient without memory])
@@ -159,23 +160,44 @@ class RootState:
         # writes in place, both seen.
         self._kept_grads = {index: self.sequencer.params[index].shard.grad_key() for index in kept}
 
+    def _drop_reset(self, indexes: list[int]) -> None:
+        """Drop the gradients kept without sync of each of ``indexes`` whose
+        ``.grad`` was reset since the backward that kept them (None, or zeros:
+        ``zero_grad`` either way), as a reset drops ``.grad`` in unsharded
+        training; raise for one changed otherwise, which the kept gradients,
+        held outside ``.grad``, cannot follow."""
+        params, reset = self.sequencer.params, []
+        for k in indexes:
+            key = self._kept_grads.get(k, False)
+            if key is False or params[k].shard.grad_key() == key:
+                continue
+            grad = params[k].shard.grad()
+            # A host sync, only where .grad changed.
+            if grad is not None and compat.local_tensor(grad).any():
+                raise ValueError(
+                    f"fxshard: the .grad of {params[k].fqn!r} was changed after micro-batches without sync "
+                    "(set_requires_gradient_sync(False)), other than by a reset. Their gradients are kept outside "
+                    ".grad until the micro-batch with sync, so the change cannot apply to them. Change gradients "
+                    "(scale, clip) after the micro-batch with sync, or reset them: zero_grad(), p.grad = None"
+                )
+            reset.append(k)
+        if not reset:
+            return
+        names = ", ".join(repr(params[k].fqn) for k in reset[:3]) + (", ..." if len(reset) > 3 else "")
+        log.warning(f"fxshard: the .grad of {len(reset)} parameter(s) ({names}) was reset (zero_grad) after "
+                    "micro-batches without sync; dropping the gradients kept for them, as their .grad was")  # fmt: skip
+        for k in reset:
+            self.store.grads.pop(k, None)
+            del self._kept_grads[k]
+        self.sequencer.drop_held(reset)
+
     def check_kept(self) -> None:
         """Drop the gradients kept without sync of each parameter whose
-        ``.grad`` was reset since, and only those, as a reset drops ``.grad``
-        in unsharded training (see [Note: accumulation without sync] in
-        runtime/ops.py); once none are kept, no zero gradient without memory
-        stays ``.grad``."""
+        ``.grad`` was reset since, and only those (``_drop_reset``; see
+        [Note: accumulation without sync] in runtime/ops.py); once none are
+        kept, no zero gradient without memory stays ``.grad``."""
         if self.pending() and self._kept_grads:
-            params = self.sequencer.params
-            reset = [k for k, key in self._kept_grads.items() if params[k].shard.grad_key() != key]
-            if reset:
-                names = ", ".join(repr(params[k].fqn) for k in reset[:3]) + (", ..." if len(reset) > 3 else "")
-                log.warning(f"fxshard: the .grad of {len(reset)} parameter(s) ({names}) was reset (zero_grad) after "
-                            "micro-batches without sync; dropping the gradients kept for them, as their .grad was")  # fmt: skip
-                for k in reset:
-                    self.store.grads.pop(k, None)
-                    del self._kept_grads[k]
-                self.sequencer.drop_held(reset)
+            self._drop_reset(list(self._kept_grads))
         if self._zeroed and not self.pending():
             for shard in self._zeroed:
                 shard.release_zero_grad(materialize=True)

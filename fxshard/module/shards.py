@@ -221,18 +221,30 @@ class HeldShard:
     """A parameter's shard as its first owner holds it now (``plans.Shard``):
     read from the module each time, since the user may replace the tensor."""
 
-    __slots__ = ("module", "attr", "_zero", "_release")
+    __slots__ = ("module", "attr", "_zero", "_release", "_released")
 
     def __init__(self, module: torch.nn.Module, attr: str) -> None:
         self.module, self.attr = module, attr
         self._zero: DTensor | None = None  # the .grad that hold_zero_grad gave, until released
         self._release: RemovableHandle | None = None  # the hook that releases it
+        # (key of a zero released while still .grad, what .grad became): a
+        # release is fxshard's, not a reset (see grad_key)
+        self._released: tuple[tuple[int, ...], DTensor | None] | None = None
 
     def local(self) -> torch.Tensor:
         return compat.local_tensor(self.module._parameters[self.attr])
 
+    def grad(self) -> torch.Tensor | None:
+        return self.module._parameters[self.attr].grad
+
     def grad_key(self) -> tuple[int, ...] | None:
-        grad = self.module._parameters[self.attr].grad
+        """A key of ``.grad`` that a reset changes (see [Note: has it
+        changed]). Where ``.grad`` is what releasing the zero without memory
+        left (see the Note below), the zero's key: a reset by fxshard is no
+        reset of the user's."""
+        grad = self.grad()
+        if self._released is not None and self._released[1] is grad:
+            return self._released[0]
         return None if grad is None else written(grad)
 
     def rehome(self, tensor: torch.Tensor) -> None:
@@ -268,6 +280,7 @@ class HeldShard:
         if param.grad is not None or not param.requires_grad:
             return False
         self.release_zero_grad()  # a zero the user reset (zero_grad set None): its hook
+        self._released = None
         local = compat.local_tensor(param)
         # A tensor of its own, not an expanded view of a 0-d one: torch 2.11's
         # dynamo failed to fake a parameter whose .grad was such a view ("2 !=
@@ -290,6 +303,7 @@ class HeldShard:
         if param.grad is self._zero:
             local = compat.local_tensor(param)
             param.grad = grad_dtensor(torch.zeros_like(local), compat.dtensor_spec(param)) if materialize else None
+            self._released = (written(self._zero), param.grad)
         self._release.remove()  # torch allows it inside the hook itself
         self._zero = self._release = None
 

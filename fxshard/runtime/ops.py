@@ -47,8 +47,11 @@ from fxshard.runtime.rank_checks import check_collective
 # A parameter's gradient reset after a micro-batch without sync
 # (``zero_grad``, ``p.grad = None``) drops what was kept for it, and only for
 # it, as a reset drops gradients kept in ``.grad``: the root compares each
-# ``.grad`` at its next call with the one the backward left, the zero ones
-# included (``RootState.check_kept``).
+# ``.grad`` with the one the backward left, the zero ones included, at its
+# next call, at the optimizer step and before a kept gradient is used (a
+# reset may come between a forward and its backward). A change other than a
+# reset (to values not all zero) raises: the kept gradients are outside
+# ``.grad`` and cannot follow it (``RootState._drop_reset``).
 SYNC, ACCUMULATE, FLUSH = 0, 1, 2
 
 
@@ -57,14 +60,20 @@ class GradStore:
     (see the Note); the markers of the model's reads find it through their
     plan's id (``plans.runtime``)."""
 
-    def __init__(self, reduce_leftover: Callable[[int, torch.Tensor], None], after_add: Callable[[], None]) -> None:
+    def __init__(self, reduce_leftover: Callable[[int, torch.Tensor], None], after_add: Callable[[], None],
+                 check: Callable[[list[int]], None]) -> None:  # fmt: skip
         self.grads: dict[int, torch.Tensor] = {}
         self._reduce_leftover = reduce_leftover  # (plan index, full gradient): reduce it into .grad
         self._added = compat.AtBackwardEnd(after_add)  # when a backward that added gradients ends
         self._leftovers = compat.AtBackwardEnd(self._reduce_leftovers)
+        # Before a kept gradient is used: drops it if its .grad was reset
+        # since, which may have happened between the forward and this backward.
+        self._check = check
 
     def add(self, index: int, grad: torch.Tensor, dtype: torch.dtype) -> None:
         self._added.queue()
+        if index in self.grads:
+            self._check([index])
         held = self.grads.get(index)
         if held is None:
             self.grads[index] = grad.to(dtype, copy=True)  # a compiled graph may reuse grad's memory
@@ -73,10 +82,14 @@ class GradStore:
 
     def take(self, index: int, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         self._leftovers.queue()
+        if index in self.grads:
+            self._check([index])
         held = self.grads.pop(index, None)
         return grad.to(dtype, copy=True) if held is None else held.add_(grad)
 
     def _reduce_leftovers(self) -> None:
+        if self.grads:
+            self._check(list(self.grads))
         for index in sorted(self.grads):
             self._reduce_leftover(index, self.grads.pop(index))
 

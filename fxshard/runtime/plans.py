@@ -167,6 +167,10 @@ class Shard(Protocol):
         """Accumulate a reduced gradient of this rank's rows into ``.grad``."""
         ...
 
+    def grad(self) -> torch.Tensor | None:
+        """The parameter's ``.grad`` now."""
+        ...
+
     def grad_key(self) -> tuple[int, ...] | None:
         """A key of ``.grad`` (None without one) that a reset changes (see
         [Note: has it changed] in fxshard/module/shards.py)."""

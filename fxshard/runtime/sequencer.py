@@ -83,6 +83,7 @@ class Sequencer:
         self._flush = compat.AtBackwardEnd(self.flush)
         self._held: dict[int, torch.Tensor] = {}  # gradients of calls without sync, summed per parameter
         self.after_hold: Callable[[], None] | None = None  # called when a flush kept gradients
+        self.check_held: Callable[[list[int]], None] | None = None  # before held gradients are used: see GradStore
         self.gathers = self.reduces = 0  # collectives issued, for tests and logs
 
     @contextlib.contextmanager
@@ -148,6 +149,8 @@ class Sequencer:
     def flush(self) -> None:
         """Reduce every pending call's gradients, in plan order (see the Note)."""
         trainable = [k for k, p in enumerate(self.params) if p.shard.trainable()]
+        if self._held and self.check_held is not None:
+            self.check_held(list(self._held))
         for call_id in sorted(self._pending):
             call = self._pending.pop(call_id)
             call.full.clear()
