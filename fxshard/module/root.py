@@ -196,8 +196,18 @@ class RootState:
         ``.grad`` was reset since, and only those (``_drop_reset``; see
         [Note: accumulation without sync] in runtime/ops.py); once none are
         kept, no zero gradient without memory stays ``.grad``."""
-        if self.pending() and self._kept_grads:
-            self._drop_reset(list(self._kept_grads))
+        kept = {*self.store.grads, *self.sequencer.held()}
+        for k in [k for k in self._kept_grads if k not in kept]:  # used since: no baseline any more
+            del self._kept_grads[k]
+            self.sequencer.params[k].shard.forget_release()
+        unfinished = [] if compat.in_backward() else [k for k in kept if k not in self._kept_grads]
+        if unfinished:
+            # Added by a backward that raised before it ended (no baseline):
+            # dropped, as that backward's other gradients are (see _recover).
+            for k in unfinished:
+                self.store.grads.pop(k, None)
+            self.sequencer.drop_held(unfinished)
+        self._drop_reset(list(self._kept_grads))
         if self._zeroed and not self.pending():
             for shard in self._zeroed:
                 shard.release_zero_grad(materialize=True)

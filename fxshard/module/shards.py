@@ -237,6 +237,11 @@ class HeldShard:
     def grad(self) -> torch.Tensor | None:
         return self.module._parameters[self.attr].grad
 
+    def forget_release(self) -> None:
+        """Once nothing is kept for the parameter: a later ``.grad`` (None
+        included) is the user's, not what a release left."""
+        self._released = None
+
     def grad_key(self) -> tuple[int, ...] | None:
         """A key of ``.grad`` that a reset changes (see [Note: has it
         changed]). Where ``.grad`` is what releasing the zero without memory

@@ -171,6 +171,10 @@ class Shard(Protocol):
         """The parameter's ``.grad`` now."""
         ...
 
+    def forget_release(self) -> None:
+        """Nothing is kept for the parameter any more (see ``grad_key``)."""
+        ...
+
     def grad_key(self) -> tuple[int, ...] | None:
         """A key of ``.grad`` (None without one) that a reset changes (see
         [Note: has it changed] in fxshard/module/shards.py)."""
