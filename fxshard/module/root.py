@@ -197,6 +197,14 @@ class RootState:
         [Note: accumulation without sync] in runtime/ops.py); once none are
         kept, no zero gradient without memory stays ``.grad``."""
         kept = {*self.store.grads, *self.sequencer.held()}
+        if kept or self._kept_grads:  # the default path (no accumulation) stops here
+            self._check_kept(kept)
+        if self._zeroed and not self.pending():
+            for shard in self._zeroed:
+                shard.release_zero_grad(materialize=True)
+            self._zeroed.clear()
+
+    def _check_kept(self, kept: set[int]) -> None:
         for k in [k for k in self._kept_grads if k not in kept]:  # used since: no baseline any more
             del self._kept_grads[k]
             self.sequencer.params[k].shard.forget_release()
@@ -208,10 +216,6 @@ class RootState:
                 self.store.grads.pop(k, None)
             self.sequencer.drop_held(unfinished)
         self._drop_reset(list(self._kept_grads))
-        if self._zeroed and not self.pending():
-            for shard in self._zeroed:
-                shard.release_zero_grad(materialize=True)
-            self._zeroed.clear()
 
     def _sequenced_call(self, module: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         with self.sequencer.call(self.sync) as (anchor, frozen), self.shards.anchors(anchor, frozen):
