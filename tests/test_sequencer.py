@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 import fxshard
 from fxshard.runtime import sequencer as seq_mod
@@ -94,6 +95,55 @@ def test_no_grad_calls_reduce_nothing(recorded):
         outs = _step(seq, [2, 2], backward=False)
     assert outs[0].data_ptr() != outs[1].data_ptr()  # copies: see read()
     assert recorded == [("gather", "g")] * 4 and not seq._pending
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpoint_recomputes_read_the_kept_weights(recorded, monkeypatch, reentrant):
+    """A checkpointed function that reads through the sequencer, run eagerly
+    in the call and recomputed in backward after it (see [Note: recomputes
+    read through the sequencer]): the recompute gathers nothing, and the
+    gradients are reduced once, at the end of the outer backward, reentrant
+    checkpointing's nested backward included."""
+    monkeypatch.setattr(seq_mod, "any_rank", lambda flags, ws, group: [True] * len(flags))
+    seq, values, grads = _sequencer()
+    anchors: list[torch.Tensor] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:  # as a module's read finds its anchor
+        anchor = anchors[0] if seq._current is not None else seq.recompute_anchor(True)
+        return x * seq_gather(anchor, seq.plan, 0).sum() + seq_gather(anchor, seq.plan, 2).sum()
+
+    x = torch.ones(2, requires_grad=True)
+    with seq.call() as (anchor, frozen):
+        anchors.append(anchor)
+        h = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        out = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)  # a second nested backward
+    assert recorded == [("gather", "g")] * 4
+    out.sum().backward()
+    assert recorded == [("gather", "g")] * 4 + [("reduce", "g")] * 4
+    # out = (x * a + b) * a + b, with a = sum(p0) = 6 and b = sum(p2) = 12, over x's 2 elements
+    a, b = float(values[0].sum()), float(values[2].sum())
+    torch.testing.assert_close(grads[0], torch.full(SHAPES[0], 2 * (2 * a + b)))
+    torch.testing.assert_close(grads[2], torch.full(SHAPES[2], 2 * (a + 1)))
+    torch.testing.assert_close(x.grad, torch.full((2,), a * a))
+    assert seq.recompute_anchor(True) is None  # outside a backward: reads gather as any read outside a call
+
+
+def test_recompute_over_calls_with_and_without_sync_is_an_error(recorded):
+    seq, _, _ = _sequencer()
+    anchors: list[torch.Tensor] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        anchor = anchors[-1] if seq._current is not None else seq.recompute_anchor(True)
+        return x * seq_gather(anchor, seq.plan, 0).sum()
+
+    x = torch.ones(2, requires_grad=True)
+    outs = []
+    for sync in (False, True):
+        with seq.call(sync) as (anchor, frozen):
+            anchors.append(anchor)
+            outs.append(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
+    with pytest.raises(RuntimeError, match="Call backward after each forward"):
+        sum(o.sum() for o in outs).backward()
 
 
 class _Flag(nn.Module):

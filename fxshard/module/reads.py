@@ -44,7 +44,7 @@ from fxshard.module.shards import as_dtensor_grads, dtensor_metas
 from fxshard.module.writes import ParameterLink, Source, gathered_parameter
 from fxshard.module.zero1 import KeptParams
 from fxshard.plan import ParamPlan
-from fxshard.runtime import compat
+from fxshard.runtime import compat, plans
 from fxshard.runtime.ops import ACCUMULATE, SYNC, kept, replicate, unshard
 from fxshard.runtime.sequencer import seq_gather
 
@@ -292,6 +292,13 @@ def gathering_property(attr: str, spec: ParamPlan, index: int, plan: int, as_sto
             if spec.replicated:
                 return _read_replicated(table[attr], spec, plan, index, phase)
             return as_tp(_gather(table[attr], spec, plan, index, phase))
+        # A recompute in backward of a call with sequenced reads (see [Note:
+        # recomputes read through the sequencer] in runtime/sequencer.py).
+        anchor = None
+        if compat.in_backward():
+            anchor = plans.runtime(plan).sequencer.recompute_anchor(module._parameters[attr].requires_grad)
+        if anchor is not None:
+            return as_tp(seq_gather(anchor, plan, index))
         if tp is not None:  # outside a root call: the shard itself, as FSDP2's (see the Note)
             return module._parameters[attr]
         # Outside one (init, a submodule called directly, a read after

@@ -30,6 +30,19 @@ until backward ends (no reshard) and reduces wait for the end of backward
 (no overlap), plus one small all-reduce and host sync per backward. Models captured as one graph do not take this path; their graphs
 hold their collectives (see fxshard/passes/README.md).
 
+[Note: recomputes read through the sequencer]
+Activation checkpointing around code with a graph break runs eagerly, and
+recomputes in backward, after the call returned. A read there finds no
+call's anchor in the module's table. Read as outside a call, it would
+gather on its own: a collective in data-dependent order (an MoE loop) and,
+under non-reentrant checkpointing, other saved tensors than the forward's
+(torch's CheckpointError, which reached one rank and aborted the others).
+So a read outside a call during a backward, while calls wait for theirs,
+takes a waiting call's anchor (``recompute_anchor``) and reads its kept
+weights like the forward did. The flush is queued in that backward: a
+reentrant checkpoint's gradients arrive in a backward nested in it, whose
+end is too early.
+
 The ops ``fxshard::seq_gather`` and ``fxshard::seq_grad`` are how compiled
 graphs call in. Their tensor argument is the root call's *anchor*, a one-element
 CPU tensor holding the call's number: it ties a gradient arriving in backward
@@ -57,6 +70,8 @@ class _Call:
     next: int = 0  # plan index of the next gather
     full: dict[int, torch.Tensor] = field(default_factory=dict)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    anchors: tuple[torch.Tensor, ...] = ()  # (anchor, frozen anchor): what recomputes in backward read with
+    recomputed: bool = False  # read by a recompute in backward, which queued the flush
 
 
 class Sequencer:
@@ -96,6 +111,7 @@ class Sequencer:
         call = _Call(next(self._calls), torch.is_grad_enabled(), sync)
         anchor = torch.full((1,), float(call.id), dtype=torch.float64, requires_grad=call.grad)
         frozen = torch.full((1,), float(call.id), dtype=torch.float64)
+        call.anchors = (anchor, frozen)
         self._current = call
         try:
             yield anchor, frozen
@@ -115,6 +131,33 @@ class Sequencer:
                                                p.plan.dtype)  # fmt: skip
             self.gathers += not p.plan.replicated
             call.next += 1
+
+    def recompute_anchor(self, trained: bool) -> torch.Tensor | None:
+        """The anchor for a read outside any call of the root module during
+        a backward, or None. Such a read is activation checkpointing's
+        recompute of a call whose backward this is (see [Note: recomputes
+        read through the sequencer]); None where no call waits for its
+        backward, or outside one (the read then gathers, as any read outside
+        a call does)."""
+        if self._current is not None or not self._pending or not compat.in_backward():
+            return None
+        calls = list(self._pending.values())
+        if len({c.sync for c in calls}) > 1:
+            raise RuntimeError(
+                "fxshard: activation checkpointing recomputed a block in a backward through several calls of the "
+                "model, some with set_requires_gradient_sync(False) and some without, and a model with graph "
+                "breaks cannot tell which call a recompute belongs to. Call backward after each forward"
+            )
+        # Every pending call is reduced by the flush at the end of this
+        # backward, and a sum of reduced gradients is the reduce of their
+        # sum: the gradient may go to any of them.
+        call = calls[-1]
+        # Queued here, in the backward that runs the recompute: a reentrant
+        # checkpoint's gradients arrive in a backward of its own, nested in
+        # this one, whose end is too early for the flush (see add_grad).
+        self._flush.queue()
+        call.recomputed = True
+        return call.anchors[0] if trained else call.anchors[1]
 
     def read(self, call_id: int, k: int) -> torch.Tensor:
         call = self._current
@@ -144,7 +187,8 @@ class Sequencer:
             call.grads[k] += grad.to(dtype)
         else:
             call.grads[k] = grad.to(dtype, copy=True)  # a compiled graph may reuse grad's memory
-        self._flush.queue()
+        if not call.recomputed:  # a recompute queued the flush in the outermost backward (recompute_anchor)
+            self._flush.queue()
 
     def flush(self) -> None:
         """Reduce every pending call's gradients, in plan order (see the Note)."""

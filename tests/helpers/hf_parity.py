@@ -67,6 +67,15 @@ HF_SCENARIOS: dict[str, Scenario] = {
     "hf_mamba": _hf("mamba", atol=5e-5),
     "hf_llama_gradient_checkpointing": _hf("llama", prepare=_checkpointing()),
     "hf_qwen3_gradient_checkpointing_reentrant": _hf("qwen3", prepare=_checkpointing(use_reentrant=True)),
+    # The expert loop's graph breaks put the checkpoint in eager code, which
+    # recomputes in backward through the sequencer: non-reentrant
+    # (transformers' default) raised CheckpointError on one rank and aborted
+    # the other; reentrant hung, each rank gathering the experts its tokens
+    # reached.
+    "hf_mixtral_expert_loop_gradient_checkpointing": _hf("mixtral_expert_loop", prepare=_checkpointing()),
+    "hf_mixtral_expert_loop_gradient_checkpointing_reentrant": _hf(
+        "mixtral_expert_loop", prepare=_checkpointing(use_reentrant=True)
+    ),
     "llama_block_checkpoint": Scenario(
         make_model=lambda: CheckpointedLlama(LlamaConfig()),
         make_batch=lambda g: torch.randint(0, 37, (2, 9), generator=g),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from examples.llama import Block, Llama, LlamaConfig, RMSNorm, lm_loss, rope_tables
 
@@ -29,6 +30,29 @@ class TinyLlamaGraphBreak(Llama):
         torch._dynamo.graph_break()
         h = self.layers[1](h, self.rope_cos, self.rope_sin)
         return self.output(self.norm(h)).float()
+
+
+class CheckpointedLlama(Llama):
+    """TinyLlama with each block under ``torch.utils.checkpoint``; with
+    ``graph_break``, a graph break inside the checkpointed function, so that
+    fxshard reads through the sequencer and the checkpoint runs eagerly,
+    recomputing after the call returned (see [Note: recomputes read through
+    the sequencer])."""
+
+    def __init__(self, graph_break: bool = True, reentrant: bool = False) -> None:
+        super().__init__(LlamaConfig())
+        self.graph_break, self.reentrant = graph_break, reentrant
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(self._block, layer, h, use_reentrant=self.reentrant)
+        return self.output(self.norm(h)).float()
+
+    def _block(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return layer(h, self.rope_cos, self.rope_sin)
 
 
 @torch.library.custom_op("fxshard_test::gated_proj", mutates_args=())

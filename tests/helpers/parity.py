@@ -190,6 +190,34 @@ SCENARIOS: dict[str, Scenario] = {
         sequenced=True,
     ),
     "two_forwards_one_backward": Scenario(**LLAMA, compile_kwargs=dict(backend="aot_eager"), forwards_per_step=2),
+    # Activation checkpointing that runs eagerly on the sequenced path, its
+    # recompute after the call (see [Note: recomputes read through the
+    # sequencer]): a graph break inside each checkpointed block, torch's
+    # default non-reentrant checkpoint and the reentrant one, and the eager
+    # backend. Each raised CheckpointError or aborted a rank before.
+    "checkpoint_graph_break": Scenario(
+        make_model=models.CheckpointedLlama,
+        make_batch=_tokens,
+        loss=lm_loss,
+        compile_kwargs=dict(backend="aot_eager"),
+        sequenced=True,
+        steps=2,
+    ),
+    "checkpoint_graph_break_reentrant": Scenario(
+        make_model=lambda: models.CheckpointedLlama(reentrant=True),
+        make_batch=_tokens,
+        loss=lm_loss,
+        compile_kwargs=dict(backend="aot_eager"),
+        sequenced=True,
+        steps=2,
+    ),
+    "checkpoint_eager_backend": Scenario(
+        make_model=lambda: models.CheckpointedLlama(graph_break=False),
+        make_batch=_tokens,
+        loss=lm_loss,
+        compile_kwargs=dict(backend="eager"),
+        steps=2,
+    ),
     # Gradient accumulation over 3 micro-batches: reducing each one, and
     # reducing only the last (set_requires_gradient_sync(False) before the
     # others; see [Note: accumulation without sync]).
