@@ -146,6 +146,16 @@ def test_recompute_over_calls_with_and_without_sync_is_an_error(recorded):
         sum(o.sum() for o in outs).backward()
 
 
+def test_calls_with_grad_and_no_backward_warn(recorded, caplog):
+    """Each keeps the gathered weights until a backward: an evaluation loop
+    without no_grad grows by the model's weights per call; it is told."""
+    seq, _, _ = _sequencer()
+    for _ in range(seq_mod._PENDING_WARN + 2):
+        _step(seq, [0], backward=False)
+    warnings = [r for r in caplog.records if "torch.no_grad()" in r.getMessage()]
+    assert len(warnings) == 1 and len(seq._pending) == seq_mod._PENDING_WARN + 2
+
+
 class _Flag(nn.Module):
     def __init__(self) -> None:
         super().__init__()

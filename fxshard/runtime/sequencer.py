@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +61,12 @@ import torch
 
 from fxshard.runtime import compat, plans
 from fxshard.runtime.collectives import Replicas, any_rank, gather_full, reduce_replicated, reduce_to_shard
+
+log = logging.getLogger("fxshard")
+
+# Calls with grad waiting for a backward, each holding the gathered weights,
+# past which a call warns (once): an evaluation loop without no_grad.
+_PENDING_WARN = 4
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Sequencer:
         self.after_hold: Callable[[], None] | None = None  # called when a flush kept gradients
         self.check_held: Callable[[list[int]], None] | None = None  # before held gradients are used: see GradStore
         self.gathers = self.reduces = 0  # collectives issued, for tests and logs
+        self._warned = False  # about calls piling up without a backward
 
     @contextlib.contextmanager
     def call(self, sync: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -120,6 +128,14 @@ class Sequencer:
             self._current = None
         if call.grad and any(p.shard.trainable() for p in self.params):
             self._pending[call.id] = call  # keeps its weights for recomputes in backward
+            if len(self._pending) == _PENDING_WARN and not self._warned:
+                self._warned = True
+                log.warning(
+                    "fxshard: %d calls of the model with grad enabled wait for a backward, and with sequenced reads "
+                    "(graph breaks) each keeps the model's gathered weights until a backward ends. Run calls "
+                    "without a backward (evaluation) under torch.no_grad()",
+                    len(self._pending),
+                )
         else:
             call.full.clear()
 
