@@ -158,7 +158,7 @@ ALL_SYSTEMS = tuple(dict.fromkeys((*SYSTEMS, *FXSHARD_VARIANTS, *REFERENCE)))
 CAPTURABLE = ("fxshard_capturable", "fxshard_graph", "fxshard_graph_none", "compile_graph")
 GRAPHED = ("fxshard_graph", "fxshard_graph_none", "compile_graph")
 GRAPH_WARMUP = 2  # fxshard.cuda_graph(warmup=...): eager calls; the next one captures, later ones replay
-GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent")
+GRAPH_MEMORY_FIELDS = ("predicted_peak", "measured_peak", "pool_reserved", "persistent", "outside_free")
 DEVICE = "cuda"
 PROFILE = 0  # profile the last N steps (--profile)
 PROFILE_HOST = False  # --profile-host: the profiled steps' host ops too
@@ -850,7 +850,8 @@ def run_one(args: argparse.Namespace, system: str) -> None:
                 precision="bf16 compute, fp32 reduce",
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), fxshard_kwargs=FXSHARD_KWARGS,
                 fake_world=args.fake_world, fxshard_tree=FXSHARD_TREE,
-                torchrun_args=os.environ.get("BENCH_TORCHRUN_ARGS"))  # fmt: skip
+                torchrun_args=os.environ.get("BENCH_TORCHRUN_ARGS"),
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"))  # fmt: skip
     placement = [host_placement()]
     if not args.fake_world:
         placement = [None] * dist.get_world_size()

@@ -281,7 +281,7 @@ def merge(paths: list[str]) -> dict:
     order = {row.name: i for i, row in enumerate(ROWS)}
     rows = sorted(latest.values(), key=lambda row: order.get(row["row"]["name"], len(ROWS)))  # stable
     for run in runs[1:]:
-        for key in ("device", "gpus", "torch", "nccl"):
+        for key in ("device", "gpus", "torch", "nccl", "alloc_conf"):
             if run["meta"].get(key) != runs[0]["meta"].get(key):
                 raise SystemExit(f"{key} differs between runs ({runs[0]['meta'].get(key)}, {run['meta'].get(key)})")
     commits = list(dict.fromkeys(row["commit"][:7] for row in rows))
@@ -297,7 +297,9 @@ def markdown(data: dict) -> str:
     meta = data["meta"]
     lines = [
         f"{meta.get('gpus', '?')} x {meta.get('device', '?')}, torch {meta.get('torch', '?')}, "
-        f"NCCL {meta.get('nccl', '?')}; fxshard at {meta['commit']}, baseline fxshard at "
+        f"NCCL {meta.get('nccl', '?')}"
+        + (f", PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']}" if meta.get("alloc_conf") else "")
+        + f"; fxshard at {meta['commit']}, baseline fxshard at "
         f"{'each row' if meta.get('merged') else (meta.get('baseline') or '-')[:12]}; {meta['date']}. bf16 compute, fp32 reduce and master weights; "
         "each system in its own process; step time is the median of the timed steps; memory is peak allocated / "
         "reserved. Targets: step time at most 0.9x FSDP2 + compile (MoE 0.6x), peak memory at most 1.0x; "
@@ -432,7 +434,7 @@ def main() -> None:
             data["rows"].append(entry)
             for result in entry["results"].values():
                 if "meta" in result:
-                    data["meta"].update({k: result["meta"][k] for k in ("device", "torch", "nccl")})
+                    data["meta"].update({k: result["meta"].get(k) for k in ("device", "torch", "nccl", "alloc_conf")})
             if out:  # after every row, so that a later failure keeps the earlier rows
                 out.write_text(json.dumps(data, indent=1))
                 out.with_suffix(".md").write_text(markdown(data) + "\n")

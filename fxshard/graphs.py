@@ -76,12 +76,15 @@ class StepMemory:
     estimates file is gone). ``measured_peak``: the most allocated while
     capturing, which is what every replay uses. ``pool_reserved``: what the
     capture's private pool holds on the GPU (its blocks, rounded up by the
-    caching allocator)."""
+    caching allocator). ``outside_free``: what the allocator holds free
+    outside the pool, in segments that live tensors keep (see [Note: memory
+    outside the pool]); the pool cannot use it."""
 
     persistent: int
     predicted_peak: int | None
     measured_peak: int
     pool_reserved: int
+    outside_free: int = 0
 
     def format(self) -> str:
         gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
@@ -91,7 +94,24 @@ class StepMemory:
             else "none (the graphs came from torch's compile cache, without fxshard's estimates)"
         )
         return (f"captured step memory: predicted peak {predicted}, measured {gib(self.measured_peak)} "
-                f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)})")  # fmt: skip
+                f"(persistent {gib(self.persistent)}; pool reserved {gib(self.pool_reserved)}; free outside the "
+                f"pool {gib(self.outside_free)})")  # fmt: skip
+
+
+# [Note: memory outside the pool]
+# A replay allocates only from the capture's private pool. Whatever the
+# caching allocator holds free in its other segments stays reserved beside
+# it: segments that also hold live tensors cannot be given back. The
+# warm-ups fill such segments: optimizer state made in the blocks that the
+# first step's activations left, next to parameter shards made while the
+# full model was freed. An uncaptured step computes in those free blocks;
+# a captured one cannot, and reserved 1.14x (375M) to 1.20x (OLMoE) the
+# uncaptured step's memory on one H200 at a fake world of 4. With
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True segments grow and shrink
+# by pages, and the same steps reserved 1.02x to 1.04x. That setting is the
+# process's, not fxshard's to make, so the capture says what is held and
+# names it.
+_OUTSIDE_FREE_HINT = 0.05  # of all reserved memory, past which the capture names the setting
 
 
 @dataclasses.dataclass
@@ -235,9 +255,13 @@ class CapturedStep:
         self._freeze(models, optimizers)
         process.before_destroy(reset_all)
         measured = torch.cuda.max_memory_allocated()
-        self.memory = StepMemory(persistent, _predicted_peak(models, persistent), measured,
-                                 compat.pool_reserved_bytes(pool))  # fmt: skip
+        pool_reserved, outside_free = compat.pool_reserved_bytes(pool)
+        self.memory = StepMemory(persistent, _predicted_peak(models, persistent), measured, pool_reserved,
+                                 outside_free)  # fmt: skip
         log.info("fxshard: %s", self.memory.format())
+        hint = _outside_free_hint(outside_free, torch.cuda.memory_reserved(), compat.expandable_segments())
+        if hint:
+            log.warning(hint)
         graph.replay()  # the capture ran nothing: this call's step
         self.calls += 1
         return out
@@ -427,6 +451,19 @@ def _recording() -> Iterator[tuple[list[nn.Module], list[torch.optim.Optimizer]]
             yield models, optimizers
     finally:
         CALLED_ROOTS.reset(token)
+
+
+def _outside_free_hint(outside_free: int, reserved: int, expandable: bool) -> str | None:
+    """What to say of memory held free outside the pool (see [Note: memory
+    outside the pool]), or None where it is small or nothing would help."""
+    if expandable or outside_free <= _OUTSIDE_FREE_HINT * reserved:
+        return None
+    return (
+        f"fxshard.cuda_graph: {outside_free / 2**30:.2f} GiB of the {reserved / 2**30:.2f} GiB reserved is free "
+        "outside the captured step's pool, in segments that live tensors (optimizer state, parameter shards) keep, "
+        "and a replay cannot use it. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the process "
+        "first allocates on the GPU, lets the allocator give such memory back"
+    )
 
 
 def _check_can_capture(leaves: list[Any]) -> None:

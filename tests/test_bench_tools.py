@@ -236,6 +236,9 @@ def test_matrix_table_gives_ratios_and_missed_targets(tmp_path):
     )
     assert matrix.Row("g", "375m", 1, graph=True).systems() == ["fsdp2_compile", "fxshard", "fxshard_graph_none"]
     assert "skipped: needs 4 GPUs" in hsdp
+    assert "ALLOC_CONF" not in lines[0]  # the allocator's default: nothing to say
+    allocator = {**data, "meta": {**data["meta"], "alloc_conf": "expandable_segments:True"}}
+    assert "NCCL ?, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; fxshard at" in matrix.markdown(allocator)
     (tmp_path / "m.json").write_text(json.dumps(data))
     readme = tmp_path / "README.md"
     readme.write_text(

@@ -129,3 +129,28 @@ def test_a_replay_accepts_writes_in_place(no_dist, monkeypatch):
         model.row.mul_(2.0)
     model.load_state_dict(model.state_dict())
     assert held.same()
+
+
+@pytest.mark.parametrize(
+    "env, expandable",
+    [({}, False), ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+     ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"}, True),
+     ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False)],
+)  # fmt: skip
+def test_memory_held_free_outside_the_pool_names_expandable_segments(monkeypatch, env, expandable):
+    """See [Note: memory outside the pool]: a captured step whose allocator
+    holds much free memory outside the pool says so, and names the setting
+    that gives it back, unless it is set."""
+    from fxshard.graphs import _outside_free_hint
+    from fxshard.runtime import compat
+
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert compat.expandable_segments() is expandable
+    hint = _outside_free_hint(int(0.54 * 2**30), int(4.5 * 2**30), compat.expandable_segments())
+    assert (hint is None) is expandable
+    if hint:
+        assert "0.54 GiB of the 4.50 GiB" in hint and "expandable_segments:True" in hint
+    assert _outside_free_hint(int(0.1 * 2**30), int(4.5 * 2**30), False) is None  # within 5%: nothing to say

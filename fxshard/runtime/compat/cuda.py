@@ -5,6 +5,7 @@ graph pool holds."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ __all__ = [
     "host_syncs_allowed",
     "is_capture_error",
     "is_sync_debug_error",
+    "expandable_segments",
     "pool_reserved_bytes",
     "stale_capture_stream_override",
     "sync_debug_mode",
@@ -75,11 +77,21 @@ def is_capture_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("capturing" in text or "stream capture" in text)
 
 
-def pool_reserved_bytes(pool: Any) -> int:
+def pool_reserved_bytes(pool: Any) -> tuple[int, int]:
     """Bytes the caching allocator holds in the private pool ``pool`` (a
-    ``graph_pool_handle()``), from its segments in the memory snapshot."""
-    total = 0
+    ``graph_pool_handle()``), and bytes it holds free outside it (in
+    segments that live tensors keep reserved), from the memory snapshot."""
+    inside = outside_free = 0
     for segment in torch.cuda.memory_snapshot():
         if tuple(segment.get("segment_pool_id", ())) == tuple(pool):
-            total += segment["total_size"]
-    return total
+            inside += segment["total_size"]
+        else:
+            outside_free += segment["total_size"] - segment["allocated_size"]
+    return inside, outside_free
+
+
+def expandable_segments() -> bool:
+    """Whether the caching allocator was configured with expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF``, or ``PYTORCH_ALLOC_CONF`` since torch 2.9)."""
+    settings = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" in settings.replace(" ", "").lower()
