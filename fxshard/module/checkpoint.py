@@ -25,6 +25,14 @@ of sharded values taken on another shard rank raises, naming the fix. Full
 state dicts and DCP, which reshard, are unaffected. HSDP replicas hold the
 same shards, so only the shard dimension counts; ranks of one TP group hold
 different pieces, so their TP coordinate counts too.
+
+A dict built from the state dict loses that metadata: peft's
+``get_peft_model_state_dict``, or ``{k: v for k, v in sd.items()}``. Each
+DTensor value still says where it was taken: ``torch.save`` pickles its
+DeviceMesh with the saving rank's coordinate, which ``get_coordinate()``
+returns after ``torch.load``. So a sharded value whose mesh is laid out as
+the parameter's and whose coordinate on a sharded dimension is not this
+rank's raises too.
 """
 
 from __future__ import annotations
@@ -61,14 +69,37 @@ def _check_and_shard(here: tuple, module: nn.Module, state_dict: dict[str, Any],
         names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False)
                  if _is_shard(state_dict.get(prefix + n)) and isinstance(p, DTensor)]  # fmt: skip
         if names:
+            raise ValueError(f"this state dict holds the shards of rank {_where(saved)} ({names[0]!r} and others), "
+                             f"and this is rank {_where(here)}: {_FIX}")  # fmt: skip
+    for name, param in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and _is_shard(value) and _taken_elsewhere(value, param):
             raise ValueError(
-                f"this state dict holds the shards of rank {_where(saved)} ({names[0]!r} and others), and this is "
-                f"rank {_where(here)}: loading it would give this rank another rank's rows. "
-                "Save and load a file per rank (torch.save(model.state_dict(), f'model-{rank}.pt')), use "
-                "torch.distributed.checkpoint (any world size), or save a full state dict "
-                "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+                f"the value of {prefix + name!r} is a shard taken at mesh coordinate "
+                f"{tuple(value.device_mesh.get_coordinate())}, and this rank is at "
+                f"{tuple(param.device_mesh.get_coordinate())} (a file saved by one rank, loaded by all; see [Note: "
+                f"whose shards a state dict holds] in fxshard/module/checkpoint.py): {_FIX}"
             )
     _shard_full_values(module, state_dict, prefix, local_metadata, *args)
+
+
+_FIX = (
+    "loading it would give this rank another rank's rows. Save and load a file per rank "
+    "(torch.save(model.state_dict(), f'model-{rank}.pt')), use torch.distributed.checkpoint (any world size), or "
+    "save a full state dict (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+)
+
+
+def _taken_elsewhere(value: DTensor, param: DTensor) -> bool:
+    """Whether ``value`` holds the shard of another coordinate than this
+    rank's on a dimension it is sharded on (see the Note)."""
+    ours, theirs = param.device_mesh, value.device_mesh
+    if theirs is ours or theirs.mesh.shape != ours.mesh.shape or not torch.equal(theirs.mesh, ours.mesh):
+        return False  # this process's own value, or another layout (torch's own checks apply)
+    here, there = ours.get_coordinate(), theirs.get_coordinate()
+    if here is None or there is None:
+        return False
+    return any(p.is_shard() and here[d] != there[d] for d, p in enumerate(value.placements))
 
 
 def _shard_full_values(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict,

@@ -166,6 +166,20 @@ def another_ranks_file_raises(rank: int, world_size: int, model: nn.Module) -> N
             model.load_state_dict(state)
         for name, p in model.named_parameters():
             _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
+    # A dict built from it has no metadata (peft's get_peft_model_state_dict, a comprehension): each
+    # DTensor's pickled mesh still says whose shard it is.
+    buffer = io.BytesIO()
+    torch.save({k: v for k, v in model.state_dict().items()}, buffer)
+    files = [buffer.getvalue()]
+    dist.broadcast_object_list(files, src=0)
+    state = torch.load(io.BytesIO(files[0]), weights_only=False)
+    if rank == 0:
+        model.load_state_dict(state)
+    else:
+        with pytest.raises(ValueError, match=r"shard taken at mesh coordinate \(0,\).*this rank is at"):
+            model.load_state_dict(state)
+        for name, p in model.named_parameters():
+            _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
     torch.manual_seed(0)
     whole = fxshard.compile(fxshard.no_shard(models.Uneven().to(_device())), backend="aot_eager")
     buffer = io.BytesIO()
