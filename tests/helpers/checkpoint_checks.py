@@ -152,41 +152,32 @@ def torch_save_resumes(rank: int, world_size: int) -> dict[str, nn.Module]:
 def another_ranks_file_raises(rank: int, world_size: int, model: nn.Module) -> None:
     """A ``torch.save`` of rank 0's sharded state dict, loaded on every rank:
     rank 0 loads it, the others raise instead of taking rank 0's rows (see
-    [Note: whose shards a state dict holds])."""
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    files = [buffer.getvalue()]
-    dist.broadcast_object_list(files, src=0)
-    state = torch.load(io.BytesIO(files[0]), weights_only=False)
-    if rank == 0:
-        model.load_state_dict(state)
-    else:
-        before = {n: p.to_local().clone() for n, p in model.named_parameters()}
-        with pytest.raises(ValueError, match=f"shards of rank 0 of {world_size}.*this is rank {rank}"):
-            model.load_state_dict(state)
-        for name, p in model.named_parameters():
-            _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
-    # A dict built from it has no metadata (peft's get_peft_model_state_dict, a comprehension): each
-    # DTensor's pickled mesh still says whose shard it is.
-    buffer = io.BytesIO()
-    torch.save({k: v for k, v in model.state_dict().items()}, buffer)
-    files = [buffer.getvalue()]
-    dist.broadcast_object_list(files, src=0)
-    state = torch.load(io.BytesIO(files[0]), weights_only=False)
-    if rank == 0:
-        model.load_state_dict(state)
-    else:
-        with pytest.raises(ValueError, match=r"shard taken at mesh coordinate \(0,\).*this rank is at"):
-            model.load_state_dict(state)
+    [Note: whose shards a state dict holds]). A dict built from it has no
+    metadata (peft's ``get_peft_model_state_dict``, a comprehension): each
+    DTensor's pickled mesh still says whose shard it is."""
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    for state, error in ((model.state_dict(), f"shards of rank 0 of {world_size}.*this is rank {rank}"),
+                         (dict(model.state_dict().items()), r"shard taken at mesh coordinate \(0,\).*this rank is at")):  # fmt: skip
+        loaded = _rank0_file(state)
+        if rank == 0:
+            model.load_state_dict(loaded)
+            continue
+        with pytest.raises(ValueError, match=error):
+            model.load_state_dict(loaded)
         for name, p in model.named_parameters():
             _close(p.to_local(), before[name], f"{name} after the refused load", exact=True)
     torch.manual_seed(0)
     whole = fxshard.compile(fxshard.no_shard(models.Uneven().to(_device())), backend="aot_eager")
+    whole.load_state_dict(_rank0_file(whole.state_dict()))  # replicated: alike on every rank
+
+
+def _rank0_file(state: dict) -> dict:
+    """``state`` as rank 0 saved it with ``torch.save``, loaded on every rank."""
     buffer = io.BytesIO()
-    torch.save(whole.state_dict(), buffer)
+    torch.save(state, buffer)
     files = [buffer.getvalue()]
     dist.broadcast_object_list(files, src=0)
-    whole.load_state_dict(torch.load(io.BytesIO(files[0]), weights_only=False))  # replicated: alike on every rank
+    return torch.load(io.BytesIO(files[0]), weights_only=False)
 
 
 def full_state_dict_loads_into_shards(rank: int, world_size: int, model: nn.Module) -> None:

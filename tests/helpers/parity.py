@@ -93,6 +93,14 @@ def _returned_loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
 
 
 LLAMA = dict(make_model=models.TinyLlama, make_batch=_tokens, loss=lm_loss)
+
+
+def _checkpointed(graph_break: bool = True, reentrant: bool = False, backend: str = "aot_eager") -> Scenario:
+    """models.CheckpointedLlama: checkpointing in eager code, recomputed on the sequenced path."""
+    return Scenario(make_model=lambda: models.CheckpointedLlama(graph_break, reentrant), make_batch=_tokens,
+                    loss=lm_loss, compile_kwargs=dict(backend=backend), sequenced=True, steps=2)  # fmt: skip
+
+
 UNTIED = dict(make_model=lambda: models.TinyLlama(tie=False), loss=lm_loss)
 MAMBA = dict(make_model=models.MambaStyle, make_batch=lambda g: torch.randn(2, 7, 10, generator=g), loss=_mse)
 SCENARIOS: dict[str, Scenario] = {
@@ -195,29 +203,9 @@ SCENARIOS: dict[str, Scenario] = {
     # sequencer]): a graph break inside each checkpointed block, torch's
     # default non-reentrant checkpoint and the reentrant one, and the eager
     # backend. Each raised CheckpointError or aborted a rank before.
-    "checkpoint_graph_break": Scenario(
-        make_model=models.CheckpointedLlama,
-        make_batch=_tokens,
-        loss=lm_loss,
-        compile_kwargs=dict(backend="aot_eager"),
-        sequenced=True,
-        steps=2,
-    ),
-    "checkpoint_graph_break_reentrant": Scenario(
-        make_model=lambda: models.CheckpointedLlama(reentrant=True),
-        make_batch=_tokens,
-        loss=lm_loss,
-        compile_kwargs=dict(backend="aot_eager"),
-        sequenced=True,
-        steps=2,
-    ),
-    "checkpoint_eager_backend": Scenario(
-        make_model=lambda: models.CheckpointedLlama(graph_break=False),
-        make_batch=_tokens,
-        loss=lm_loss,
-        compile_kwargs=dict(backend="eager"),
-        steps=2,
-    ),
+    "checkpoint_graph_break": _checkpointed(),
+    "checkpoint_graph_break_reentrant": _checkpointed(reentrant=True),
+    "checkpoint_eager_backend": _checkpointed(graph_break=False, backend="eager"),
     # Gradient accumulation over 3 micro-batches: reducing each one, and
     # reducing only the last (set_requires_gradient_sync(False) before the
     # others; see [Note: accumulation without sync]).
