@@ -128,6 +128,34 @@ def test_checkpoint_recomputes_read_the_kept_weights(recorded, monkeypatch, reen
     assert seq.recompute_anchor(True) is None  # outside a backward: reads gather as any read outside a call
 
 
+def test_an_input_gradient_penalty_recomputes_before_the_backward(recorded, monkeypatch):
+    """``autograd.grad`` of the output with respect to the input (a gradient
+    penalty) recomputes the checkpointed block but gives the parameters no
+    gradient: the call waits for the backward of the loss, which reduces
+    once."""
+    monkeypatch.setattr(seq_mod, "any_rank", lambda flags, ws, group: [True] * len(flags))
+    seq, values, grads = _sequencer()
+    anchors: list[torch.Tensor] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        anchor = anchors[0] if seq._current is not None else seq.recompute_anchor(True)
+        return torch.tanh(x * seq_gather(anchor, seq.plan, 0).sum())
+
+    x = torch.full((2,), 0.1, requires_grad=True)
+    with seq.call() as (anchor, frozen):
+        anchors.append(anchor)
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    (penalty,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    assert recorded == [("gather", "g")] * 4 and seq._pending  # no reduce yet
+    (out.sum() + penalty.pow(2).sum()).backward()
+    assert recorded == [("gather", "g")] * 4 + [("reduce", "g")] * 4 and not seq._pending
+    a = torch.tensor(float(values[0].sum()), requires_grad=True)  # the same loss, by hand
+    y = torch.tanh(torch.full((2,), 0.1) * a)
+    dx = a * (1 - y**2)
+    (d,) = torch.autograd.grad(y.sum() + dx.pow(2).sum(), a)
+    torch.testing.assert_close(grads[0], torch.full(SHAPES[0], float(d)))
+
+
 def test_recompute_over_calls_with_and_without_sync_is_an_error(recorded):
     seq, _, _ = _sequencer()
     anchors: list[torch.Tensor] = []

@@ -41,7 +41,9 @@ So a read outside a call during a backward, while calls wait for theirs,
 takes a waiting call's anchor (``recompute_anchor``) and reads its kept
 weights like the forward did. The flush is queued in that backward: a
 reentrant checkpoint's gradients arrive in a backward nested in it, whose
-end is too early.
+end is too early. A backward that recomputes a call and gives it no
+gradient (``autograd.grad`` of an input-gradient penalty) leaves the call
+waiting for the backward of the loss.
 
 The ops ``fxshard::seq_gather`` and ``fxshard::seq_grad`` are how compiled
 graphs call in. Their tensor argument is the root call's *anchor*, a one-element
@@ -212,7 +214,13 @@ class Sequencer:
         if self._held and self.check_held is not None:
             self.check_held(list(self._held))
         for call_id in sorted(self._pending):
-            call = self._pending.pop(call_id)
+            call = self._pending[call_id]
+            if call.recomputed and not call.grads:
+                # A backward recomputed it and gave it no gradient: autograd.grad() of an
+                # input-gradient penalty. Every rank runs the same; its backward comes later.
+                call.recomputed = False
+                continue
+            del self._pending[call_id]
             call.full.clear()
             if not call.sync:  # no collective: hold the gradients for a call with sync
                 for k, grad in call.grads.items():
