@@ -89,6 +89,9 @@ def main() -> None:
         Llama(LlamaConfig()).load_state_dict(full)  # loads into the plain, unsharded model
         torch.save(full, os.path.join(args.dir, "full.pt"))
         print(f"exported {len(full)} tensors to {os.path.join(args.dir, 'full.pt')}", flush=True)
+    # The others wait for rank 0's export: a gloo group destroyed on one rank
+    # while another still works aborted the process at exit, now and then.
+    dist.barrier()
     dist.destroy_process_group()
 
 
