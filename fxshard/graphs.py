@@ -255,7 +255,7 @@ class CapturedStep:
         self._freeze(models, optimizers)
         process.before_destroy(reset_all)
         measured = torch.cuda.max_memory_allocated()
-        pool_reserved, outside_free = compat.pool_reserved_bytes(pool)
+        pool_reserved, outside_free = compat.pool_memory(pool)
         self.memory = StepMemory(persistent, _predicted_peak(models, persistent), measured, pool_reserved,
                                  outside_free)  # fmt: skip
         log.info("fxshard: %s", self.memory.format())

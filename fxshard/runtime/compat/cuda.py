@@ -16,7 +16,7 @@ __all__ = [
     "is_capture_error",
     "is_sync_debug_error",
     "expandable_segments",
-    "pool_reserved_bytes",
+    "pool_memory",
     "stale_capture_stream_override",
     "sync_debug_mode",
 ]
@@ -77,7 +77,7 @@ def is_capture_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("capturing" in text or "stream capture" in text)
 
 
-def pool_reserved_bytes(pool: Any) -> tuple[int, int]:
+def pool_memory(pool: Any) -> tuple[int, int]:
     """Bytes the caching allocator holds in the private pool ``pool`` (a
     ``graph_pool_handle()``), and bytes it holds free outside it (in
     segments that live tensors keep reserved), from the memory snapshot."""
